@@ -1,0 +1,81 @@
+"""How a tensor is cut into blocks, columns and streams.
+
+A tensor of ``length`` elements is cut into ``num_blocks`` blocks of
+``block_size`` elements; the last one may be short (padded logically, never on
+the wire). Blocks are striped over ``num_columns`` columns: column ``c`` holds
+blocks ``c, c + C, c + 2C, ...``, so the clustered nonzero rows of an embedding
+gradient spread over many columns and finish in few rounds. Consecutive columns
+are grouped into streams (OmniReduce's slots); a stream moves one block per
+column per round, all its columns in one message, and streams run in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omnireduce.errors import ConfigError
+
+__all__ = ["INF", "MAX_BLOCKS", "Layout"]
+
+#: Sentinel block index: the column (or stream) has no more nonzero blocks.
+INF = np.iinfo(np.int64).max
+#: Block indices are int64 on the wire; this bound keeps them far from INF.
+MAX_BLOCKS = 1 << 48
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The block layout of one op; every worker of the op must compute the same one.
+
+    Args:
+        length: elements in the flat tensor.
+        block_size: elements per block.
+        message_blocks: at most this many columns (so blocks) per stream message.
+        streams: at most this many streams.
+    """
+
+    length: int
+    block_size: int
+    message_blocks: int
+    streams: int
+    num_blocks: int = field(init=False)
+    num_columns: int = field(init=False)
+    num_streams: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "message_blocks", "streams"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.length, (int, np.integer)) or self.length < 0:
+            raise ConfigError(f"length must be a non-negative integer, got {self.length!r}")
+        nb = -(-self.length // self.block_size)
+        if nb >= MAX_BLOCKS:
+            raise ConfigError(f"tensor of {self.length} elements has too many blocks ({nb})")
+        cols = min(nb, self.streams * self.message_blocks)
+        # One stream even for an empty tensor, so that every op has a round to finish on.
+        nstreams = max(1, -(-cols // self.message_blocks))
+        object.__setattr__(self, "num_blocks", nb)
+        object.__setattr__(self, "num_columns", cols)
+        object.__setattr__(self, "num_streams", nstreams)
+
+    @property
+    def tail_length(self) -> int:
+        """Elements in the last block (``block_size`` when the length divides evenly)."""
+        if self.num_blocks == 0:
+            return 0
+        return self.length - (self.num_blocks - 1) * self.block_size
+
+    def stream_columns(self, stream: int) -> slice:
+        """The contiguous range of columns carried by ``stream``."""
+        n, c = self.num_streams, self.num_columns
+        return slice(stream * c // n, (stream + 1) * c // n)
+
+    def payload_elements(self, ids: np.ndarray) -> int:
+        """Elements on the wire for the blocks ``ids`` (the short last block counted short)."""
+        n = len(ids) * self.block_size
+        if self.tail_length != self.block_size and n and bool((ids == self.num_blocks - 1).any()):
+            n -= self.block_size - self.tail_length
+        return n

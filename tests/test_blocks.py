@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omnireduce import blocks, kernels
+from omnireduce.dtypes import DType, from_accumulator, to_accumulator
+from omnireduce.layout import INF, Layout
+
+MASKS = [blocks.block_mask_numpy, blocks.block_mask]
+if kernels.HAVE_NUMBA:
+    MASKS.append(kernels.block_mask_cpu)
+
+
+@pytest.mark.parametrize("mask_fn", MASKS, ids=lambda f: f.__module__ + "." + f.__name__)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_mask_special_values(mask_fn, dtype) -> None:
+    x = np.zeros(4 * 8 + 3, dtype=dtype)
+    x[1] = np.nan  # block 0
+    x[8 + 7] = -np.inf  # block 1
+    x[16:24] = -0.0  # block 2: negative zeros are zero
+    x[24 + 3] = np.finfo(dtype).tiny  # block 3: smallest normal
+    x[33] = 5  # short last block (3 elements)
+    np.testing.assert_array_equal(mask_fn(x, 8), [True, True, False, True, True])
+
+
+@pytest.mark.parametrize("mask_fn", MASKS)
+def test_mask_edges(mask_fn) -> None:
+    assert mask_fn(np.zeros(0, np.float32), 256).shape == (0,)
+    np.testing.assert_array_equal(mask_fn(np.array([0.0], np.float32), 256), [False])
+    np.testing.assert_array_equal(mask_fn(np.array([2.0], np.float32), 256), [True])
+    np.testing.assert_array_equal(mask_fn(np.array([-0.0], np.float64), 1), [False])
+    denormal = np.array([0, 0, np.float32(1e-45)], np.float32)
+    np.testing.assert_array_equal(mask_fn(denormal, 2), [False, True])
+
+
+def test_mask_bfloat16_bits() -> None:
+    bits = np.array([0x0000, 0x8000, 0x3F80, 0x0000, 0x7FC0, 0xFF80], dtype=np.uint16)  # 0,-0 | 1,0 | nan,-inf
+    for fn in MASKS:
+        np.testing.assert_array_equal(fn(bits, 2), [False, True, True])
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 70_000, 1 << 17])
+def test_numba_equals_numpy(n) -> None:
+    rng = np.random.default_rng(n)
+    x = np.where(rng.random(n) < 0.002, rng.standard_normal(n), 0).astype(np.float32)
+    x[rng.integers(0, n)] = np.nan
+    for bs in (1, 7, 256):
+        np.testing.assert_array_equal(blocks.block_mask(x, bs), blocks.block_mask_numpy(x, bs))
+
+
+def test_next_table() -> None:
+    layout = Layout(length=10 * 4 - 1, block_size=4, message_blocks=3, streams=1)  # 10 blocks, 3 columns
+    mask = np.zeros(10, bool)
+    mask[[1, 3, 9]] = True
+    t = blocks.next_table(mask, layout)
+    assert t.shape == (5, 3)
+    # Column 0 holds blocks 0,3,6,9; column 1: 1,4,7; column 2: 2,5,8.
+    np.testing.assert_array_equal(t[:, 0], [3, 3, 9, 9, INF])
+    np.testing.assert_array_equal(t[:, 1], [1, INF, INF, INF, INF])
+    np.testing.assert_array_equal(t[:, 2], [INF] * 5)
+
+
+@pytest.mark.parametrize("length", [1, 5, 8, 29, 32])
+def test_gather_scatter_round_trip(length) -> None:
+    layout = Layout(length, block_size=8, message_blocks=2, streams=2)
+    x = np.arange(1, length + 1, dtype=np.float32)
+    rng = np.random.default_rng(length)
+    ids = rng.permutation(layout.num_blocks)[: max(1, layout.num_blocks - 1)]
+    payload = blocks.gather(x, ids, layout)
+    assert len(payload) == layout.payload_elements(ids)
+    out = np.zeros_like(x)
+    blocks.scatter(out, ids, payload, layout)
+    expect = np.zeros_like(x)
+    for b in ids:
+        expect[b * 8 : (b + 1) * 8] = x[b * 8 : (b + 1) * 8]
+    np.testing.assert_array_equal(out, expect)
+
+
+def test_layout_streams_and_columns() -> None:
+    lay = Layout(length=1000 * 256, block_size=256, message_blocks=64, streams=4)
+    assert (lay.num_blocks, lay.num_columns, lay.num_streams) == (1000, 256, 4)
+    assert [lay.stream_columns(s) for s in range(4)] == [slice(0, 64), slice(64, 128), slice(128, 192), slice(192, 256)]
+    small = Layout(length=300, block_size=256, message_blocks=64, streams=4)
+    assert (small.num_blocks, small.num_columns, small.num_streams, small.tail_length) == (2, 2, 1, 44)
+    empty = Layout(length=0, block_size=256, message_blocks=64, streams=4)
+    assert (empty.num_blocks, empty.num_columns, empty.num_streams) == (0, 0, 1)
+
+
+def test_bfloat16_accumulator_round_trip() -> None:
+    values = np.array([1.0, -2.5, 3.140625, 0.0, -0.0, np.inf, 1e30], dtype=np.float32)
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)  # exact in bfloat16
+    np.testing.assert_array_equal(from_accumulator(to_accumulator(bits, DType.BFLOAT16), DType.BFLOAT16), bits)
+    # Round to nearest even: 1 + 2^-8 is halfway between 1 and 1 + 2^-7 and rounds to 1.
+    half = np.array([1 + 2.0**-8, 1 + 3 * 2.0**-8], np.float32)
+    np.testing.assert_array_equal(from_accumulator(half, DType.BFLOAT16), [0x3F80, 0x3F82])
+    nan = from_accumulator(np.array([np.nan], np.float32), DType.BFLOAT16)
+    assert np.isnan(to_accumulator(nan, DType.BFLOAT16)[0])

@@ -1,0 +1,156 @@
+"""The aggregator's state machine and the worker's op, through a fake transport that encodes every message."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from aggregator.engine import Engine
+from omnireduce.dtypes import DType, from_accumulator, to_accumulator
+from omnireduce.errors import OmniReduceError
+from omnireduce.layout import Layout
+from omnireduce.protocol import Blocks, Error, ErrorCode, Result, Start, decode, encode
+from tests.conftest import sparse
+from tests.loopback import peer_of, run_allreduce, wire
+from worker.op import WorkerOp
+
+
+def _start(rank: int, world: int, length: int, op: int = 0, job: str = "j", **kw) -> list[bytes]:
+    layout = Layout(length, kw.get("block_size", 4), kw.get("message_blocks", 2), kw.get("streams", 2))
+    x = np.ones(length, np.float32)
+    return wire(WorkerOp(job, rank, world, op, x, DType.FLOAT32, layout).start())
+
+
+def _errors(out) -> dict[bytes, Error]:
+    got = {}
+    for peer, frames in out:
+        msg, _ = decode(wire(frames))
+        assert isinstance(msg, Error)
+        got[peer] = msg
+    return got
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+@pytest.mark.parametrize("length", [0, 1, 33, 1000])
+def test_exact_sum_and_only_nonzero_blocks_sent(world: int, length: int) -> None:
+    rng = np.random.default_rng(world * 1000 + length)
+    inputs = [sparse(rng, length, 0.3, block=4) for _ in range(world)]
+    outs, ops, engine = run_allreduce(inputs, DType.FLOAT32, block_size=4, message_blocks=3, streams=2,
+                                      shuffle=random.Random(length))
+    expected = np.sum(np.stack(inputs).astype(np.float64), axis=0) if length else np.zeros(0)
+    for out, op, x in zip(outs, ops, inputs, strict=True):
+        np.testing.assert_array_equal(out, expected)
+        # Each nonzero block goes on the wire exactly once; zero blocks never do.
+        nonzero_blocks = int((np.abs(np.pad(x, (0, -length % 4))).reshape(-1, 4).sum(1) > 0).sum()) if length else 0
+        assert op.stats.blocks_sent == nonzero_blocks
+    assert engine.active_ops == 0
+    assert engine.ops_completed == 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_float_sums_match_rank_ordered_reference(dtype) -> None:
+    rng = np.random.default_rng(7)
+    inputs = [np.where(rng.random(999) < 0.5, rng.standard_normal(999), 0).astype(dtype) for _ in range(4)]
+    outs, _, _ = run_allreduce(inputs, DType.of_numpy(np.dtype(dtype)), block_size=8, message_blocks=5, streams=3)
+    acc = DType.of_numpy(np.dtype(dtype)).accumulator
+    ref = inputs[0].astype(acc)
+    for x in inputs[1:]:
+        ref = ref + x.astype(acc)
+    for out in outs:
+        np.testing.assert_array_equal(out, ref.astype(dtype))
+        assert out.tobytes() == outs[0].tobytes()
+
+
+def test_bfloat16_sum() -> None:
+    rng = np.random.default_rng(3)
+    values = [np.where(rng.random(500) < 0.4, rng.integers(-100, 100, 500), 0).astype(np.float32) for _ in range(3)]
+    bits = [(v.view(np.uint32) >> 16).astype(np.uint16) for v in values]  # integers < 256 are exact in bfloat16
+    outs, _, _ = run_allreduce(bits, DType.BFLOAT16, block_size=16, message_blocks=4, streams=2)
+    np.testing.assert_array_equal(to_accumulator(outs[0], DType.BFLOAT16), sum(values))
+    np.testing.assert_array_equal(outs[1], from_accumulator(sum(values), DType.BFLOAT16))
+
+
+def test_nan_and_inf_propagate() -> None:
+    a = np.zeros(64, np.float32)
+    b = np.zeros(64, np.float32)
+    a[3], b[40], b[41] = np.nan, np.inf, -np.inf
+    a[41] = 1.0
+    outs, _, _ = run_allreduce([a, b], DType.FLOAT32, block_size=8, message_blocks=2, streams=2)
+    assert np.isnan(outs[0][3]) and outs[0][40] == np.inf and outs[0][41] == -np.inf
+    assert np.count_nonzero(outs[0]) == 3
+
+
+def test_ops_and_jobs_interleave_on_one_engine() -> None:
+    engine = Engine()
+    rng = np.random.default_rng(0)
+    for op in range(3):
+        for job in ("a", "b"):
+            xs = [sparse(rng, 300, 0.5, block=4) for _ in range(2)]
+            outs, _, _ = run_allreduce(xs, DType.FLOAT32, block_size=4, job=job, op=op, engine=engine)
+            np.testing.assert_array_equal(outs[1], xs[0] + xs[1])
+    assert engine.ops_completed == 6 and engine.active_ops == 0
+
+
+def test_length_mismatch_fails_every_worker_of_the_op() -> None:
+    engine = Engine()
+    assert engine.handle(peer_of(0), _start(0, 3, 100)) == []
+    out = engine.handle(peer_of(1), _start(1, 3, 101))
+    errs = _errors(out)
+    assert set(errs) == {peer_of(0), peer_of(1)}
+    assert all(e.code == ErrorCode.MISMATCH and "length: 100 vs 101" in e.message for e in errs.values())
+    # The third worker arrives late and learns the same.
+    late = _errors(engine.handle(peer_of(2), _start(2, 3, 100)))
+    assert late[peer_of(2)].code == ErrorCode.MISMATCH
+    assert engine.active_ops == 0
+    # The daemon goes on: the next op works.
+    outs, _, _ = run_allreduce([np.ones(10, np.float32)] * 3, DType.FLOAT32, op=1, engine=engine)
+    np.testing.assert_array_equal(outs[0], np.full(10, 3, np.float32))
+
+
+def test_timeout_names_missing_ranks() -> None:
+    now = [0.0]
+    engine = Engine(timeout=5.0, clock=lambda: now[0])
+    engine.handle(peer_of(0), _start(0, 3, 10))
+    engine.handle(peer_of(2), _start(2, 3, 10))
+    now[0] = 4.9
+    assert engine.expire() == []
+    now[0] = 5.1
+    errs = _errors(engine.expire())
+    assert set(errs) == {peer_of(0), peer_of(2)}
+    assert errs[peer_of(0)].code == ErrorCode.TIMEOUT and errs[peer_of(0)].ranks == [1]
+    assert engine.active_ops == 0
+
+
+def test_garbage_gets_an_error_reply_and_the_engine_goes_on() -> None:
+    engine = Engine()
+    for frames in ([b"junk"], [], [encode(Result("j", 0, 0, 0))[0]]):
+        (peer, reply), = engine.handle(b"evil", frames)
+        msg, _ = decode(wire(reply))
+        assert peer == b"evil" and isinstance(msg, Error) and msg.code == ErrorCode.PROTOCOL
+    outs, _, _ = run_allreduce([np.ones(5, np.float32)] * 2, DType.FLOAT32, engine=engine)
+    np.testing.assert_array_equal(outs[0], [2] * 5)
+
+
+def test_blocks_for_unknown_op_and_out_of_turn() -> None:
+    engine = Engine()
+    (_, reply), = engine.handle(b"p", wire(encode(Blocks("j", 0, 9, 0, 0), np.zeros(0, np.int64), b"")))
+    assert decode(wire(reply))[0].code == ErrorCode.UNKNOWN_OP
+    engine.handle(peer_of(0), _start(0, 2, 8))
+    engine.handle(peer_of(1), _start(1, 2, 8))
+    # Round 1 before round 0 completed is a protocol violation that fails the op on both workers.
+    errs = _errors(engine.handle(peer_of(0), wire(encode(Blocks("j", 0, 0, 0, 1), np.zeros(0, np.int64), b""))))
+    assert set(errs) == {peer_of(0), peer_of(1)} and all(e.code == ErrorCode.PROTOCOL for e in errs.values())
+
+
+def test_pointer_outside_column_fails_op() -> None:
+    engine = Engine()
+    bad = encode(Start("j", 0, 2, 0, 16, int(DType.FLOAT32), 4, 2, 2), np.array([1, 1, 2, 3], np.int64))
+    errs = _errors(engine.handle(peer_of(0), wire(bad)))
+    assert "outside its columns" in errs[peer_of(0)].message
+
+
+def test_loopback_raises_on_error() -> None:
+    with pytest.raises(OmniReduceError):
+        run_allreduce([np.ones(4, np.float32), np.ones(5, np.float32)], DType.FLOAT32)

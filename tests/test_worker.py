@@ -1,0 +1,174 @@
+"""Workers and an aggregator over real ZeroMQ sockets on loopback, in one process."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aggregator import Aggregator
+from omnireduce import ConfigError, MismatchError, OmniReduceError, OpTimeoutError, WorkerClosedError
+from tests.conftest import sparse
+from worker import Worker
+
+
+def run_ranks(world: int, fn: Callable[[int], Any], timeout: float = 60) -> list[Any]:
+    """Runs fn(rank) on one thread per rank; returns results, re-raising the first error."""
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "rank thread hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_allreduce_numpy_shapes_and_several_ops(aggregator: Aggregator) -> None:
+    rng = np.random.default_rng(0)
+    shapes = [(1000,), (7, 13, 5), (1,), (0,), (300_000,)]
+    inputs = [[sparse(rng, int(np.prod(s)), 0.2).reshape(s) for s in shapes] for _ in range(3)]
+
+    def rank(r: int) -> list[np.ndarray]:
+        with Worker(aggregator.address, rank=r, world_size=3, job="shapes", timeout=20) as w:
+            out = [w.allreduce(x) for x in inputs[r]]
+            assert w.stats.ops == len(shapes)
+            return out
+
+    results = run_ranks(3, rank)
+    for i, s in enumerate(shapes):
+        expected = inputs[0][i] + inputs[1][i] + inputs[2][i]
+        for r in range(3):
+            assert results[r][i].shape == s and results[r][i].dtype == np.float32
+            np.testing.assert_array_equal(results[r][i], expected)
+
+
+def test_many_ops_in_flight(aggregator: Aggregator) -> None:
+    rng = np.random.default_rng(1)
+    inputs = [[sparse(rng, 5000 + 37 * i, 0.1) for i in range(16)] for _ in range(2)]
+
+    def rank(r: int) -> list[np.ndarray]:
+        with Worker(aggregator.address, rank=r, world_size=2, job="inflight", streams=3, message_blocks=4) as w:
+            futures = [w.allreduce_async(x) for x in inputs[r]]
+            return [f.result(timeout=30) for f in futures]
+
+    results = run_ranks(2, rank)
+    for i in range(16):
+        np.testing.assert_array_equal(results[0][i], inputs[0][i] + inputs[1][i])
+        np.testing.assert_array_equal(results[1][i], results[0][i])
+
+
+def test_two_jobs_share_one_aggregator(aggregator: Aggregator) -> None:
+    def rank(i: int) -> np.ndarray:
+        job, r = divmod(i, 2)
+        with Worker(aggregator.address, rank=r, world_size=2, job=f"job{job}") as w:
+            return w.allreduce(np.full(1000, 10.0 * job + r, np.float64))
+
+    results = run_ranks(4, rank)
+    np.testing.assert_array_equal(results[0], np.full(1000, 1.0))
+    np.testing.assert_array_equal(results[3], np.full(1000, 21.0))
+
+
+def test_length_mismatch_is_an_error_on_every_worker(aggregator: Aggregator) -> None:
+    def rank(r: int) -> str:
+        with Worker(aggregator.address, rank=r, world_size=2, job="mismatch", timeout=10) as w:
+            with pytest.raises(MismatchError) as info:
+                w.allreduce(np.ones(100 + r, np.float32))
+            # The worker is still usable after a failed op.
+            np.testing.assert_array_equal(w.allreduce(np.ones(3, np.float32)), [2, 2, 2])
+            return str(info.value)
+
+    for msg in run_ranks(2, rank):
+        assert "length: 100 vs 101" in msg and "job='mismatch'" in msg and "op=0" in msg
+
+
+def test_aggregator_timeout_names_missing_rank() -> None:
+    with Aggregator(timeout=0.5).start() as agg:
+        with Worker(agg.address, rank=0, world_size=2, job="lonely", timeout=10) as w:
+            t = time.monotonic()
+            with pytest.raises(OpTimeoutError) as info:
+                w.allreduce(np.ones(10, np.float32))
+            assert time.monotonic() - t < 5
+            assert info.value.ranks == (1,) and info.value.job == "lonely"
+
+
+def test_worker_times_out_without_aggregator() -> None:
+    with Worker("tcp://127.0.0.1:1", rank=0, world_size=1, job="nobody", timeout=0.5) as w:
+        with pytest.raises(OpTimeoutError, match="no answer from the aggregator"):
+            w.allreduce(np.ones(10, np.float32))
+
+
+def test_closed_worker_raises() -> None:
+    w = Worker("tcp://127.0.0.1:1", rank=0, world_size=2, timeout=30)
+    fut = w.allreduce_async(np.ones(4, np.float32))
+    w.close()
+    with pytest.raises(WorkerClosedError):
+        fut.result(timeout=5)
+    with pytest.raises(WorkerClosedError):
+        w.allreduce(np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rank=2, world_size=2), "rank 2"),
+        (dict(rank=0, world_size=1, block_size=0), "block_size"),
+        (dict(rank=0, world_size=1, timeout=-1), "timeout"),
+        (dict(rank=0, world_size=1, job=""), "job"),
+    ],
+)
+def test_bad_config(kwargs, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Worker("tcp://127.0.0.1:1", **kwargs)
+
+
+def test_config_from_torchrun_environment(monkeypatch, aggregator: Aggregator) -> None:
+    monkeypatch.setenv("OMNIREDUCE_ADDRESS", aggregator.address)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("OMNIREDUCE_BLOCK_SIZE", "16")
+    with Worker() as w:
+        assert (w.rank, w.world_size, w.block_size, w.address) == (0, 1, 16, aggregator.address)
+        np.testing.assert_array_equal(w.allreduce(np.arange(40, dtype=np.float32)), np.arange(40))
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="WORLD_SIZE"):
+        Worker()
+
+
+def test_unsupported_inputs_are_clear_errors(aggregator: Aggregator) -> None:
+    with Worker(aggregator.address, rank=0, world_size=1) as w:
+        with pytest.raises(ConfigError, match="int64"):
+            w.allreduce(np.ones(4, np.int64))
+        with pytest.raises(ConfigError, match="list"):
+            w.allreduce([1.0, 2.0])
+        assert isinstance(ConfigError("x"), OmniReduceError)
+
+
+def test_torch_tensors_keep_type_shape_and_dtype(aggregator: Aggregator) -> None:
+    torch = pytest.importorskip("torch")
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+    inputs = [[torch.randint(-8, 9, (3, 50)).to(dt) for dt in dtypes] for _ in range(2)]
+
+    def rank(r: int) -> list[Any]:
+        with Worker(aggregator.address, rank=r, world_size=2, job="torch") as w:
+            return [w.allreduce(t) for t in inputs[r]]
+
+    results = run_ranks(2, rank)
+    for i, dt in enumerate(dtypes):
+        out = results[0][i]
+        assert isinstance(out, torch.Tensor) and out.dtype == dt and out.shape == (3, 50)
+        torch.testing.assert_close(out, inputs[0][i] + inputs[1][i], rtol=0, atol=0)

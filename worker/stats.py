@@ -1,0 +1,66 @@
+"""Traffic counters of a worker, per op and cumulative."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["OpStats", "Stats", "frames_nbytes"]
+
+
+def frames_nbytes(frames: list[Any]) -> int:
+    """Bytes of a message's frames as they go on the wire (ZeroMQ's framing not counted)."""
+    total = 0
+    for f in frames:
+        buf = getattr(f, "buffer", None)
+        total += memoryview(f if buf is None else buf).nbytes
+    return total
+
+
+@dataclass(slots=True)
+class OpStats:
+    """What one op moved. ``dense_bytes`` is the payload a dense transfer would send."""
+
+    op: int = 0
+    elements: int = 0
+    dense_bytes: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    blocks_sent: int = 0
+    blocks_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    rounds: int = 0
+    seconds: float = 0.0
+
+    @property
+    def sent_fraction(self) -> float:
+        """Bytes sent as a fraction of the dense payload (0 for an empty op)."""
+        return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_SUMMED = (
+    "elements", "dense_bytes", "bytes_sent", "bytes_received", "blocks_sent", "blocks_received",
+    "messages_sent", "messages_received", "rounds", "seconds",
+)
+
+
+@dataclass(slots=True)
+class Stats:
+    """Cumulative counters over the completed ops of a worker, and the last op's."""
+
+    ops: int = 0
+    total: OpStats = field(default_factory=OpStats)
+    last: OpStats | None = None
+
+    def add(self, op: OpStats) -> None:
+        self.ops += 1
+        for name in _SUMMED:
+            setattr(self.total, name, getattr(self.total, name) + getattr(op, name))
+        self.last = op
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"ops": self.ops, "total": self.total.as_dict(), "last": self.last.as_dict() if self.last else None}

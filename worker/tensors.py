@@ -1,0 +1,62 @@
+"""Conversion between user tensors (NumPy arrays, CPU torch tensors) and flat wire arrays."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from omnireduce.dtypes import DType
+from omnireduce.errors import ConfigError
+
+__all__ = ["to_flat"]
+
+
+def _is_torch(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], Any]]:
+    """Flattens a tensor without copying where it is already contiguous.
+
+    Args:
+        x: a NumPy array or a CPU torch tensor of float32, float64, float16 or bfloat16.
+
+    Returns:
+        The flat contiguous array (bfloat16 as uint16 bits), its wire type, and a
+        function turning a flat result back into the input's type and shape.
+
+    Raises:
+        ConfigError: the input's type, device or dtype is not supported.
+    """
+    if isinstance(x, np.ndarray):
+        try:
+            dtype = DType.of_numpy(x.dtype)
+        except KeyError:
+            raise ConfigError(
+                f"allreduce supports float32, float64 and float16 arrays, got dtype {x.dtype}"
+            ) from None
+        shape = x.shape
+        return np.ascontiguousarray(x).reshape(-1), dtype, lambda out: out.reshape(shape)
+    if _is_torch(x):
+        return _torch_to_flat(x)
+    raise ConfigError(f"allreduce takes a NumPy array or a torch tensor, got {type(x).__name__}")
+
+
+def _torch_to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], Any]]:
+    import torch
+
+    if x.device.type != "cpu":
+        raise ConfigError(f"allreduce of a tensor on {x.device} is not supported; move it to the CPU")
+    shape = x.shape
+    t = x.detach().contiguous().reshape(-1)
+    if t.dtype == torch.bfloat16:
+        flat = t.view(torch.int16).numpy().view(np.uint16)
+        return flat, DType.BFLOAT16, lambda out: torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    names = {torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.float16: DType.FLOAT16}
+    if t.dtype not in names:
+        raise ConfigError(f"allreduce supports float32, float64, float16 and bfloat16 tensors, got {t.dtype}")
+    return t.numpy(), names[t.dtype], lambda out: torch.from_numpy(out).reshape(shape)

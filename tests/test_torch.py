@@ -1,0 +1,101 @@
+"""PyTorch integration: the DDP hook, the no-DDP reducer and the "omnireduce" backend against gloo."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aggregator import Aggregator  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def run_ranks(fn_name: str, world: int, tmp_path, *args: Any, timeout: float = 240) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init = str(tmp_path / f"init-{fn_name}-{world}-{os.getpid()}")
+    procs = [
+        ctx.Process(target=_entry, args=(fn_name, r, world, init, results, args), daemon=True) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for r in range(world):
+        assert not isinstance(got[r], str), f"rank {r} failed:\n{got[r]}"
+    return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
+
+
+def _entry(*args: Any) -> None:
+    from tests.torch_procs import entry
+
+    entry(*args)
+
+
+@pytest.fixture(scope="module")
+def agg():
+    a = Aggregator(timeout=60).start()
+    yield a
+    a.close()
+
+
+TOLERANCE = {"fp16": dict(rtol=2e-3, atol=2e-3), "bf16": dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", ["buckets", "fp16", "bf16", "no_sync", "unused"])
+def test_ddp_hook_matches_gloo(agg, tmp_path, world: int, case: str) -> None:
+    results = run_ranks("ddp_case", world, tmp_path, agg.address, case)
+    for res in results:
+        assert res["error"] is None
+        assert res["buckets"] > 0
+        torch.testing.assert_close(res["got"], res["expected"], **TOLERANCE.get(case, {}))
+    if case == "buckets":
+        # Iteration 0 has one bucket; from iteration 1 DDP's rebuilt buckets (cap 1 kB)
+        # split the gradients, so the hook saw buckets of changing sizes.
+        assert results[0]["buckets"] > 4
+    # Every rank ends with the same parameters.
+    for res in results[1:]:
+        torch.testing.assert_close(res["got"], results[0]["got"], rtol=0, atol=0)
+
+
+def test_hook_traffic_is_a_fraction_of_dense(agg, tmp_path) -> None:
+    (res, _) = run_ranks("ddp_case", 2, tmp_path, agg.address, "traffic")
+    stats = res["stats"]
+    # 16 bags x 4 ids touch at most 64 of 100,000 embedding rows (16 floats each) a
+    # step, so at most 64 of 6,250 blocks of the table are nonzero; the MLP is tiny.
+    assert stats["bytes_sent"] < 0.03 * stats["dense_bytes"]
+    torch.testing.assert_close(res["got"], res["expected"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reducer_without_ddp_matches_gloo(agg, tmp_path, world: int) -> None:
+    for res in run_ranks("reducer_case", world, tmp_path, agg.address):
+        torch.testing.assert_close(res["got"], res["expected"])
+        assert res["buckets"] > 1
+        # One op per bucket per step: no_sync sent nothing.
+        assert res["ops"] == res["buckets"] * res["steps"]
+
+
+def test_backend_collectives_and_ddp(agg, tmp_path) -> None:
+    world = 3
+    results = run_ranks("backend_case", world, tmp_path, agg.address)
+    for rank, res in enumerate(results):
+        assert res["backend"] == "omnireduce"
+        torch.testing.assert_close(res["all_reduce"], torch.arange(6, dtype=torch.float32) * 6)
+        torch.testing.assert_close(res["broadcast"], torch.tensor([21, -7, 2**40 + 2]))
+        for r, g in enumerate(res["all_gather"]):
+            torch.testing.assert_close(g, torch.tensor([r, -0.5], dtype=torch.float16))
+        assert "does not support reduce_scatter" in res["unsupported"]
+        torch.testing.assert_close(res["got"], res["expected"])

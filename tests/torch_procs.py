@@ -1,0 +1,186 @@
+"""Training runs executed in spawned rank processes by tests/test_torch.py.
+
+Each run trains the same seeded model twice in one process, once with the
+reference (DDP on gloo, or a hand-written gloo all_reduce) and once through
+omnireduce, and returns both sets of parameters for the test to compare.
+"""
+
+from __future__ import annotations
+
+import io
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+VOCAB = 4000
+DIM = 16
+
+
+class ClickModel(nn.Module):
+    """Embedding-heavy: most of the gradient (the embedding table) is zero rows."""
+
+    def __init__(self, unused: bool = False, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(vocab, DIM, mode="sum")
+        self.mlp = nn.Sequential(nn.Linear(DIM, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.unused = nn.Linear(7, 7) if unused else None
+
+    def forward(self, idx: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.emb(idx, offsets)).squeeze(-1)
+
+
+def batch(
+    rank: int, step: int, n: int = 16, per: int = 4, vocab: int = VOCAB
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    idx = torch.randint(0, vocab, (n * per,), generator=g)
+    offsets = torch.arange(0, n * per, per)
+    y = torch.randint(0, 2, (n,), generator=g).float()
+    return idx, offsets, y
+
+
+def _model(unused: bool = False, vocab: int = VOCAB) -> ClickModel:
+    torch.manual_seed(0)
+    return ClickModel(unused, vocab)
+
+
+def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    vocab = (model.module if isinstance(model, DDP) else model).emb.num_embeddings
+    idx, off, y = batch(rank, step, vocab=vocab)
+    return nn.functional.binary_cross_entropy_with_logits(model(idx, off), y)
+
+
+def _train_ddp(ddp: nn.Module, rank: int, steps: int, accumulate: bool) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+    for step in range(steps):
+        opt.zero_grad()
+        if accumulate:
+            with ddp.no_sync():
+                _loss(ddp, rank, 100 + step).backward()
+        _loss(ddp, rank, step).backward()
+        opt.step()
+    return [p.detach().clone() for p in ddp.module.parameters()]
+
+
+def _average_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    buf = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> dict[str, Any]:
+    """DDP with gloo's allreduce against DDP with omnireduce_hook, for one case."""
+    from worker import Worker
+    from worker.ddp import OmniReduceState, cast_wrapper, omnireduce_hook
+
+    unused = case == "unused"
+    # A recommender-sized table for the traffic case: a step touches 64 of its rows.
+    vocab = 100_000 if case == "traffic" else VOCAB
+    kwargs: dict[str, Any] = dict(bucket_cap_mb=0.001 if case == "buckets" else 25, find_unused_parameters=unused)
+    ref = DDP(_model(unused, vocab), **kwargs)
+    ours = DDP(_model(unused, vocab), **kwargs)
+    with Worker(address, rank=rank, world_size=world, job=f"ddp-{case}-{world}", timeout=30) as w:
+        state = OmniReduceState(w)
+        if case == "fp16":
+            ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            ours.register_comm_hook(state, default_hooks.fp16_compress_wrapper(omnireduce_hook))
+        elif case == "bf16":
+            # torch's bf16_compress_hook needs NCCL; the same cast around gloo's allreduce instead.
+            ref.register_comm_hook(None, cast_wrapper(torch.bfloat16, _average_hook))
+            ours.register_comm_hook(state, cast_wrapper(torch.bfloat16, omnireduce_hook))
+        else:
+            ours.register_comm_hook(state, omnireduce_hook)
+        accumulate = case == "no_sync"
+        expected = _train_ddp(ref, rank, steps, accumulate)
+        got = _train_ddp(ours, rank, steps, accumulate)
+        stats = w.stats.total.as_dict()
+    return {"expected": expected, "got": got, "stats": stats, "buckets": state.buckets, "error": state.error}
+
+
+def reducer_case(rank: int, world: int, address: str, steps: int = 4) -> dict[str, Any]:
+    """GradientReducer (no DDP) against a hand-written gloo all_reduce of every gradient."""
+    from worker import Worker
+    from worker.reducer import GradientReducer
+
+    ref = _model(unused=True)
+    ours = _model(unused=True)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+    with Worker(address, rank=rank, world_size=world, job=f"reducer-{world}", timeout=30) as w:
+        reducer = GradientReducer(ours, w, bucket_cap_mb=0.01)
+        for step in range(steps):
+            opt_ref.zero_grad()
+            _loss(ref, rank, step).backward()
+            for p in ref.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad.div_(world)
+            opt_ref.step()
+            opt.zero_grad()
+            with reducer.no_sync():
+                _loss(ours, rank, 100 + step).backward()
+            opt.zero_grad()  # the accumulated micro-batch is dropped again: checks no_sync sent nothing
+            _loss(ours, rank, step).backward()
+            reducer.synchronize()
+            opt.step()
+        buckets = reducer.num_buckets
+        ops = w.stats.ops
+    return {
+        "expected": [p.detach().clone() for p in ref.parameters()],
+        "got": [p.detach().clone() for p in ours.parameters()],
+        "buckets": buckets, "ops": ops, "steps": steps,
+    }
+
+
+def backend_case(rank: int, world: int, address: str, steps: int = 4) -> dict[str, Any]:
+    """DDP on an "omnireduce" process group against DDP on gloo; plus the basic collectives."""
+    import os
+
+    import worker.backend  # noqa: F401 - registers the backend
+
+    os.environ["OMNIREDUCE_ADDRESS"] = address
+    group = dist.new_group(backend="omnireduce")
+    out: dict[str, Any] = {"backend": dist.get_backend(group)}
+    t = torch.arange(6, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t, group=group)
+    out["all_reduce"] = t
+    work = dist.all_reduce(torch.ones(3, dtype=torch.float64), group=group, async_op=True)
+    work.wait()
+    b = torch.tensor([rank * 10 + 1, -7, 2**40 + rank], dtype=torch.int64)
+    dist.broadcast(b, src=world - 1, group=group)
+    out["broadcast"] = b
+    gathered = [torch.zeros(2, dtype=torch.float16) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor([rank, -0.5], dtype=torch.float16), group=group)
+    out["all_gather"] = gathered
+    dist.barrier(group=group)
+    try:
+        dist.reduce_scatter(torch.zeros(1), [torch.zeros(1)] * world, group=group)
+        out["unsupported"] = None
+    except Exception as e:  # noqa: BLE001 - the test checks the message
+        out["unsupported"] = str(e)
+    ref = DDP(_model(), bucket_cap_mb=0.01)
+    ours = DDP(_model(), bucket_cap_mb=0.01, process_group=group)
+    out["expected"] = _train_ddp(ref, rank, steps, accumulate=False)
+    out["got"] = _train_ddp(ours, rank, steps, accumulate=False)
+    return out
+
+
+def entry(fn_name: str, rank: int, world: int, init_file: str, results: Any, args: tuple) -> None:
+    """Process entry: joins the gloo group, runs one case, puts (rank, result or traceback)."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        try:
+            # Bytes, not tensors: a queued tensor is shared through a file descriptor
+            # that dies with this process before the parent reads it.
+            buf = io.BytesIO()
+            torch.save(globals()[fn_name](rank, world, *args), buf)
+            results.put((rank, buf.getvalue()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, traceback.format_exc()))

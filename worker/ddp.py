@@ -1,0 +1,152 @@
+"""A DDP communication hook that reduces gradient buckets through the aggregator.
+
+Usage, one line after wrapping the model::
+
+    w = Worker()                                     # address, rank, world from the environment
+    ddp_model.register_comm_hook(OmniReduceState(w), omnireduce_hook)
+
+The hook returns at once: the bucket goes to the worker's communication thread,
+which owns the socket, so backward keeps computing while several buckets are in
+flight. The sums are written back into ``bucket.buffer()`` in place.
+"""
+
+# No "from __future__ import annotations": DDP compares the hook's annotations
+# with the real dist.GradBucket and Future[Tensor] objects.
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future as ConcurrentFuture
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from omnireduce.errors import OmniReduceError
+from worker.client import Worker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OmniReduceState", "omnireduce_hook", "complete_torch_future", "cast_wrapper"]
+
+
+class OmniReduceState:
+    """State of :func:`omnireduce_hook`.
+
+    Args:
+        worker: the connected worker of this rank.
+        average: divide by the world size, as DDP's default allreduce does, so that
+            switching the hook on changes no numbers beyond float rounding.
+
+    Attributes:
+        error: the first error a bucket hit (None while all is well); once set,
+            every later bucket fails at once with the same cause, so a loop can
+            check ``state.error`` after catching the error from ``backward()``.
+        buckets: buckets reduced so far.
+    """
+
+    __slots__ = ("worker", "average", "error", "buckets", "_lock")
+
+    def __init__(self, worker: Worker, average: bool = True) -> None:
+        self.worker = worker
+        self.average = average
+        self.error: Optional[BaseException] = None
+        self.buckets = 0
+        self._lock = threading.Lock()
+
+    def record(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+
+
+def complete_torch_future(
+    source: ConcurrentFuture, target: torch.Tensor, what: str, state: Optional[OmniReduceState] = None
+) -> torch.futures.Future:
+    """A torch future completed with ``target`` once ``source`` (an allreduce) is done.
+
+    The sum is copied into ``target`` in place. A failure completes the torch
+    future with an error whose message names what failed (the type is lost on
+    the way through torch, so the message carries the cause).
+
+    Args:
+        source: the worker's future of the summed tensor.
+        target: the tensor the sum is written into, and the future's value.
+        what: names the collective in error messages, e.g. "DDP bucket 3".
+        state: records the error, if given.
+    """
+    fut: torch.futures.Future = torch.futures.Future()
+
+    def done(src: ConcurrentFuture) -> None:
+        try:
+            out = src.result()
+            if out.numel() != target.numel():
+                # DDP does not check the result's size; a wrong one would corrupt silently.
+                raise OmniReduceError(f"result has {out.numel()} elements, expected {target.numel()}")
+            target.copy_(out.view(target.shape))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting backward()
+            if state is not None:
+                state.record(e)
+            logger.error("omnireduce %s failed: %s", what, e)
+            fut.set_exception(RuntimeError(f"omnireduce {what} failed: {type(e).__name__}: {e}"))
+            return
+        fut.set_result(target)
+
+    source.add_done_callback(done)
+    return fut
+
+
+def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: sums the bucket over all ranks through the aggregator.
+
+    Args:
+        state: the hook state, holding the worker.
+        bucket: the gradient bucket; its buffer receives the result in place.
+
+    Returns:
+        A future completed with ``bucket.buffer()`` once the sum is in it.
+    """
+    buf = bucket.buffer()
+    what = f"allreduce of DDP bucket {bucket.index()} ({buf.numel()} x {buf.dtype})"
+    if state.error is not None:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_exception(RuntimeError(f"omnireduce {what} skipped after an earlier failure: {state.error}"))
+        return fut
+    if state.average and state.worker.world_size > 1:
+        # Divide before summing, as DDP's default hook does: it keeps a half-precision
+        # sum of many ranks from overflowing.
+        buf.div_(state.worker.world_size)
+    try:
+        source = state.worker.allreduce_async(buf)
+    except BaseException as e:
+        state.record(e)
+        raise
+    state.buckets += 1
+    return complete_torch_future(source, buf, what, state)
+
+
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+def cast_wrapper(dtype: torch.dtype, hook: Hook) -> Hook:
+    """Runs ``hook`` on the bucket cast to ``dtype`` (e.g. bfloat16) and casts the result back.
+
+    torch's own ``bf16_compress_wrapper`` refuses to run without NCCL; this one
+    works on the CPU, with any hook.
+
+    Args:
+        dtype: the type the bucket travels in.
+        hook: the communication hook to wrap, e.g. :func:`omnireduce_hook`.
+    """
+
+    def cast_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        full = bucket.buffer()
+        bucket.set_buffer(full.to(dtype))
+
+        def back(fut: torch.futures.Future) -> torch.Tensor:
+            full.copy_(fut.value())
+            return full
+
+        return hook(state, bucket).then(back)
+
+    cast_hook.__name__ = cast_hook.__qualname__ = f"cast_{str(dtype).replace('torch.', '')}_{hook.__name__}"
+    return cast_hook

@@ -1,0 +1,159 @@
+"""Gradient reduction for plain training loops (no DDP), Horovod style.
+
+Per-parameter post-accumulate-grad hooks flatten gradients into buckets; a
+bucket whose gradients are all ready is sent at once, in bucket order, so the
+reduction of late layers overlaps the backward pass of early ones. Call
+:meth:`GradientReducer.synchronize` before ``optimizer.step()``::
+
+    reducer = GradientReducer(model, Worker())
+    loss.backward()
+    reducer.synchronize()
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import torch
+
+from omnireduce.errors import OmniReduceError
+from worker.client import Worker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GradientReducer"]
+
+
+class _Bucket:
+    __slots__ = ("params", "ready", "future", "buffer")
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+        self.future: Future | None = None
+        self.buffer: torch.Tensor | None = None
+
+
+class GradientReducer:
+    """Sums (or averages) the gradients of a model over all ranks through the aggregator.
+
+    Every rank must build its reducer over the same model structure, so buckets
+    line up across ranks.
+
+    Args:
+        model: the model whose parameters' gradients are reduced.
+        worker: the connected worker of this rank.
+        average: divide by the world size (the mean gradient, as DDP computes).
+        bucket_cap_mb: bucket size in MiB (DDP's default is 25).
+    """
+
+    def __init__(self, model: torch.nn.Module, worker: Worker, average: bool = True, bucket_cap_mb: float = 25.0) -> None:
+        if bucket_cap_mb <= 0:
+            raise OmniReduceError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.worker = worker
+        self.average = average
+        self.error: BaseException | None = None
+        self._enabled = True
+        params = [p for p in model.parameters() if p.requires_grad]
+        # Reverse order, as DDP does: gradients of the last layers are ready first.
+        cap = int(bucket_cap_mb * 2**20)
+        self._buckets: list[_Bucket] = []
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > cap or p.dtype != current[0].dtype):
+                self._buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self._buckets.append(_Bucket(current))
+        self._bucket_of: dict[int, int] = {}
+        for i, b in enumerate(self._buckets):
+            for p in b.params:
+                self._bucket_of[id(p)] = i
+        self._next = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates gradients locally; the next backward outside reduces the total."""
+        self._enabled = False
+        try:
+            yield
+        finally:
+            self._enabled = True
+
+    def remove(self) -> None:
+        """Removes the gradient hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._enabled or self.error is not None:
+            return
+        b = self._buckets[self._bucket_of[id(p)]]
+        b.ready += 1
+        # Launch in bucket order only, so every rank numbers its ops the same way.
+        while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.average and self.worker.world_size > 1:
+            flat.div_(self.worker.world_size)
+        b.buffer = flat
+        try:
+            b.future = self.worker.allreduce_async(flat)
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def synchronize(self) -> None:
+        """Waits for every bucket's sum and writes it into the parameters' ``.grad``.
+
+        Buckets whose parameters got no gradient this step (unused parameters) are
+        sent now, with zeros, so every rank performs the same ops.
+
+        Raises:
+            OmniReduceError: a bucket's allreduce failed (also kept in ``self.error``).
+        """
+        if self.error is not None:
+            raise OmniReduceError(f"gradient reduction failed earlier: {self.error}") from self.error
+        try:
+            while self._next < len(self._buckets):
+                self._launch(self._buckets[self._next])
+                self._next += 1
+            for b in self._buckets:
+                assert b.future is not None and b.buffer is not None
+                out = b.future.result()
+                offset = 0
+                for p in b.params:
+                    n = p.numel()
+                    value = out[offset : offset + n].view(p.shape)
+                    if p.grad is None:
+                        # Unused on every rank: leave it None, as DDP does.
+                        if bool(value.any()):
+                            p.grad = value.clone()
+                    else:
+                        p.grad.copy_(value)
+                    offset += n
+        except OmniReduceError as e:
+            self.error = e
+            raise
+        finally:
+            for b in self._buckets:
+                b.ready, b.future, b.buffer = 0, None, None
+            self._next = 0

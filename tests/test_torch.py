@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import time
 from typing import Any
 
 import pytest
@@ -99,3 +100,84 @@ def test_backend_collectives_and_ddp(agg, tmp_path) -> None:
             torch.testing.assert_close(g, torch.tensor([r, -0.5], dtype=torch.float16))
         assert "does not support reduce_scatter" in res["unsupported"]
         torch.testing.assert_close(res["got"], res["expected"])
+
+
+def _train_until_failure(*args: Any) -> None:
+    from tests.torch_procs import train_until_failure
+
+    train_until_failure(*args)
+
+
+def test_killed_aggregator_fails_backward_on_every_rank(tmp_path) -> None:
+    from worker.demo import start_daemon
+
+    daemon, address = start_daemon(timeout=30)
+    world, timeout = 2, 3.0
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    init = str(tmp_path / "init-kill")
+    procs = [
+        ctx.Process(target=_train_until_failure, args=(r, world, init, address, timeout, events), daemon=True)
+        for r in range(world)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        ready = [events.get(timeout=120) for _ in procs]
+        assert all(e[0] == "ready" for e in ready), ready
+        daemon.kill()
+        killed_at = time.time()
+        daemon.wait()
+        failed = [events.get(timeout=60) for _ in procs]
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for event in failed:
+        assert event[0] == "failed", event
+        _, rank, at, message, state_error = event
+        # Within the worker's timeout (plus a step's worth of slack), never a hang.
+        assert at - killed_at < timeout + 2.0, (rank, at - killed_at)
+        assert "no answer from the aggregator" in message and "job='doomed'" in message, message
+        assert "OpTimeoutError" in message
+        assert "no answer from the aggregator" in state_error
+
+
+def _free_port_pair() -> int:
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two neighbouring free ports")
+
+
+def test_torchrun_example_trains(tmp_path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun, "torchrun is not installed beside this Python"
+    env = {k: v for k, v in os.environ.items() if k != "OMNIREDUCE_ADDRESS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The example puts its aggregator on MASTER_PORT + 1: find two free neighbours.
+    port = _free_port_pair()
+    proc = subprocess.run(
+        [torchrun, "--nproc_per_node", "2", "--master_port", str(port), "examples/train_ctr.py",
+         "--steps", "10", "--log-every", "5", "--tables", "2", "--vocab", "20000", "--batch", "64"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step")]
+    assert len(lines) == 2, proc.stdout
+    assert "loss" in lines[-1] and "MB dense" in lines[-1]

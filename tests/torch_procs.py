@@ -8,6 +8,7 @@ omnireduce, and returns both sets of parameters for the test to compare.
 from __future__ import annotations
 
 import io
+import os
 import traceback
 from typing import Any
 
@@ -184,3 +185,41 @@ def entry(fn_name: str, rank: int, world: int, init_file: str, results: Any, arg
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, traceback.format_exc()))
+
+
+def train_until_failure(rank: int, world: int, init_file: str, address: str, timeout: float, events: Any) -> None:
+    """Trains with the hook until backward() fails; reports when and how.
+
+    Puts ("ready", rank) after a few good steps, then ("failed", rank, time, message,
+    state.error's text) once an error reaches backward().
+    """
+    import time
+
+    from worker import Worker
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = DDP(_model())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with Worker(address, rank=rank, world_size=world, job="doomed", timeout=timeout) as w:
+            state = OmniReduceState(w)
+            model.register_comm_hook(state, omnireduce_hook)
+            for step in range(100_000):
+                opt.zero_grad()
+                try:
+                    _loss(model, rank, step).backward()
+                except RuntimeError as e:
+                    events.put(("failed", rank, time.time(), str(e), str(state.error)))
+                    return
+                opt.step()
+                if step == 3:
+                    events.put(("ready", rank))
+                time.sleep(0.01)
+        events.put(("finished", rank))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        events.put(("crashed", rank, traceback.format_exc()))
+    finally:
+        # The gloo group cannot be torn down cleanly once a DDP step failed half-way.
+        os._exit(0)

@@ -13,6 +13,7 @@ import logging
 import numpy as np
 
 from omnireduce import kernels
+from omnireduce.errors import ConfigError
 from omnireduce.layout import INF, Layout
 
 logger = logging.getLogger(__name__)
@@ -24,49 +25,77 @@ __all__ = [
     "split_payload",
     "gather",
     "scatter",
+    "contiguous_start",
 ]
 
-# Below this many elements NumPy beats the cost of entering the parallel kernel.
+# From this many elements on, the serial Numba kernel computes the mask.
+# Measured on the 2-core development machine (bench/kernels.py, and interleaved
+# loops of numpy / serial / parallel, float32, blocks of 256): the serial kernel
+# is as fast as NumPy on sparse tensors (within noise from 256 KB to 256 MB) and
+# 2-3x faster on dense ones (it stops reading a block at its first nonzero
+# chunk). The parallel kernel was up to 2x faster again on an idle machine but
+# 5-20x slower than NumPy at 4-16 MB while the cores were busy (load 9 on 2
+# cores: a parallel region waits for its slowest thread), which is the normal
+# state of a training node, so it is not the default. Compaction goes the other
+# way: np.flatnonzero + np.take (gather below) matched or beat the Numba
+# gather at every size, so gather and scatter stay NumPy.
 _NUMBA_MIN_ELEMENTS = 1 << 16
-_UINTS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def block_mask_numpy(flat: np.ndarray, block_size: int) -> np.ndarray:
+def block_mask_numpy(flat: np.ndarray, block_size: int, threshold: float = 0.0) -> np.ndarray:
     """Reference nonzero-block mask in NumPy (see :func:`block_mask`)."""
     n = flat.shape[0]
     nb = -(-n // block_size)
     out = np.empty(nb, dtype=np.bool_)
+    info = kernels.bits_info(flat.dtype)
+    thr = kernels.threshold_bits(threshold, info)
     if n == 0:
         return out
-    size = flat.dtype.itemsize
     # Comparing the bits without the sign makes -0.0 zero and NaN nonzero, for
-    # bfloat16 bit patterns too.
-    bits = flat.view(_UINTS[size])
-    sign_mask = _UINTS[size](~(1 << (8 * size - 1)) & ((1 << (8 * size)) - 1))
+    # bfloat16 bit patterns too; for non-negative floats the order of the bit
+    # patterns is the order of the values, so the threshold is one comparison.
+    bits = flat.view(info.uint)
+    sign_mask = info.uint.type(info.sign_mask)
     nfull = n // block_size
     if nfull:
-        out[:nfull] = ((bits[: nfull * block_size].reshape(nfull, block_size) & sign_mask) != 0).any(1)
+        full = bits[: nfull * block_size].reshape(nfull, block_size) & sign_mask
+        out[:nfull] = (full > thr).any(1) if thr else (full != 0).any(1)
     if nfull < nb:
-        out[nfull] = bool(((bits[nfull * block_size :] & sign_mask) != 0).any())
+        out[nfull] = bool(((bits[nfull * block_size :] & sign_mask) > thr).any())
+    if thr:
+        # As OmniReduce's kernel: blocks below the threshold are zeroed in place.
+        if not flat.flags.writeable:
+            raise ConfigError("a positive threshold zeroes skipped blocks in place: flat must be writeable")
+        zero = np.flatnonzero(~out[:nfull])
+        bits[: nfull * block_size].reshape(nfull, block_size)[zero] = 0
+        if nfull < nb and not out[nfull]:
+            bits[nfull * block_size :] = 0
     return out
 
 
-def block_mask(flat: np.ndarray, block_size: int) -> np.ndarray:
+def block_mask(flat: np.ndarray, block_size: int, threshold: float = 0.0) -> np.ndarray:
     """Nonzero-block mask of a flat tensor.
 
-    A block is nonzero when any element is nonzero, NaN or Inf; a block of 0.0
-    and -0.0 is zero. The last block may be short.
+    A block is nonzero when any element has ``|x| > threshold`` (the threshold
+    rounded to the element type), or is NaN or Inf; a block of 0.0 and -0.0 is
+    zero. The last block may be short.
 
     Args:
         flat: contiguous 1-D float array (bfloat16 as uint16 bits).
         block_size: elements per block.
+        threshold: finite and >= 0; when positive, the blocks found zero are
+            zeroed in place in ``flat`` (as OmniReduce's kernel does), so ``flat``
+            must be writeable.
 
     Returns:
         A bool array of ``ceil(len(flat) / block_size)`` entries.
+
+    Raises:
+        ConfigError: bad threshold or dtype.
     """
     if kernels.HAVE_NUMBA and flat.shape[0] >= _NUMBA_MIN_ELEMENTS:
-        return kernels.block_mask_cpu(flat, block_size)
-    return block_mask_numpy(flat, block_size)
+        return kernels.block_mask_cpu(flat, block_size, threshold, parallel=False)
+    return block_mask_numpy(flat, block_size, threshold)
 
 
 def next_table(mask: np.ndarray, layout: Layout) -> np.ndarray:
@@ -134,8 +163,39 @@ def _full_and_tail(flat: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.nda
     return flat[: nfull * b].reshape(nfull, b), flat[nfull * b :]
 
 
-def gather(flat: np.ndarray, ids: np.ndarray, layout: Layout) -> np.ndarray:
-    """Copies blocks ``ids`` of ``flat`` into a new contiguous payload, in ``ids`` order."""
+def contiguous_start(ids: np.ndarray) -> int | None:
+    """The first block of ``ids`` when they are consecutive ascending blocks, else None.
+
+    A stream whose columns are all active in one row asks for such a run (every
+    round of a dense tensor does): its payload is then one slice of the tensor.
+    """
+    n = len(ids)
+    if n == 0:
+        return None
+    first = int(ids[0])
+    if int(ids[-1]) - first != n - 1:
+        return None
+    if n > 2 and not bool((ids[1:] - ids[:-1] == 1).all()):
+        return None
+    return first
+
+
+def gather(flat: np.ndarray, ids: np.ndarray, layout: Layout, copy: bool = True) -> np.ndarray:
+    """The blocks ``ids`` of ``flat`` as one contiguous payload, in ``ids`` order.
+
+    Args:
+        flat: the flat tensor.
+        ids: block indices.
+        layout: the op's layout.
+        copy: False returns a view of ``flat`` instead of a copy where the blocks
+            are consecutive; the caller must then keep ``flat`` unchanged while the
+            payload is in use (a zero-copy send).
+    """
+    if not copy:
+        first = contiguous_start(ids)
+        if first is not None:
+            start = first * layout.block_size
+            return flat[start : start + layout.payload_elements(ids)]
     out = np.empty(layout.payload_elements(ids), dtype=flat.dtype)
     full, tail = _full_and_tail(flat, layout)
     for sl, view in split_payload(out, ids, layout):
@@ -150,6 +210,12 @@ def gather(flat: np.ndarray, ids: np.ndarray, layout: Layout) -> np.ndarray:
 
 def scatter(flat: np.ndarray, ids: np.ndarray, payload: np.ndarray, layout: Layout) -> None:
     """Writes the blocks of ``payload`` into ``flat`` at block indices ``ids``."""
+    first = contiguous_start(ids)
+    if first is not None:
+        # One memcpy instead of a fancy-indexed row copy: the dense case.
+        start = first * layout.block_size
+        flat[start : start + len(payload)] = payload
+        return
     full, tail = _full_and_tail(flat, layout)
     for sl, view in split_payload(payload, ids, layout):
         if view.shape[1] == layout.block_size:

@@ -1,0 +1,296 @@
+"""Numba CPU kernels: nonzero-block mask, compaction and scatter.
+
+All kernels work on the unsigned-integer view of the data (see
+:mod:`omnireduce.kernels.bits`), so one compiled kernel per element width
+serves every float type, bfloat16 bit patterns included.
+
+Payload format (shared with :func:`omnireduce.blocks.gather` and the wire): the
+blocks of ``indices`` back to back, each ``block_size`` elements, except that the
+short last block of the tensor, if among them, is stored short and must then be
+the last entry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from omnireduce.errors import ConfigError
+from omnireduce.kernels.bits import bits_info, check_block_size, threshold_bits
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HAVE_NUMBA", "block_mask_cpu", "compact_cpu", "scatter_cpu", "payload_length"]
+
+try:
+    from numba import njit, prange
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - numba is a dependency; kept importable without it
+    HAVE_NUMBA = False
+
+# Elements OR-ed together before testing, so the inner loop vectorises while a
+# dense block still exits after its first chunk.
+_CHUNK = 64
+# uint64 words OR-ed together before testing in the word-wise kernel (256 bytes).
+_WORD_CHUNK = 32
+# Mask entries per prefix-sum chunk: enough work per prange iteration to beat
+# the scheduling cost, few enough chunks for the sequential scan between passes.
+_SCAN_CHUNK = 1 << 14
+
+if HAVE_NUMBA:
+
+    @njit(cache=True, nogil=True)
+    def _block_nonzero(bits, start, end, sign_mask):  # type: ignore[no-untyped-def]
+        for j in range(start, end, _CHUNK):
+            acc = bits[j] & 0
+            for i in range(j, min(j + _CHUNK, end)):
+                acc |= bits[i]
+            if acc & sign_mask:
+                return True
+        return False
+
+    @njit(cache=True, nogil=True)
+    def _block_above(bits, start, end, sign_mask, thr):  # type: ignore[no-untyped-def]
+        # thr > 0 only: a block whose magnitudes are all <= thr is zeroed in
+        # place, as OmniReduce's kernel does, so skipped blocks read as zero.
+        for j in range(start, end, _CHUNK):
+            hit = False
+            for i in range(j, min(j + _CHUNK, end)):
+                hit |= (bits[i] & sign_mask) > thr
+            if hit:
+                return True
+        for i in range(start, end):
+            bits[i] = 0
+        return False
+
+    # Each kernel twice, under two names so that numba's cache keeps both: the
+    # parallel one, and a serial one that does not collapse when the cores are
+    # busy (a parallel region waits for its slowest thread; see block_mask_cpu).
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _mask_bits(bits, block_size, sign_mask, out):  # type: ignore[no-untyped-def]
+        n = bits.shape[0]
+        for b in prange(out.shape[0]):
+            out[b] = _block_nonzero(bits, b * block_size, min((b + 1) * block_size, n), sign_mask)
+
+    @njit(cache=True, nogil=True)
+    def _mask_bits_serial(bits, block_size, sign_mask, out):  # type: ignore[no-untyped-def]
+        n = bits.shape[0]
+        for b in range(out.shape[0]):
+            out[b] = _block_nonzero(bits, b * block_size, min((b + 1) * block_size, n), sign_mask)
+
+    @njit(cache=True, nogil=True)
+    def _mask_words_serial(words, words_per_block, sign_mask, out):  # type: ignore[no-untyped-def]
+        # The full blocks read as uint64 words: 8 bytes per OR whatever the element
+        # type, and a fixed 32-word chunk that LLVM unrolls and vectorises.
+        for b in range(out.shape[0]):
+            start = b * words_per_block
+            end = start + words_per_block
+            hit = False
+            for j in range(start, end, _WORD_CHUNK):
+                acc = np.uint64(0)
+                for i in range(j, min(j + _WORD_CHUNK, end)):
+                    acc |= words[i]
+                if acc & sign_mask:
+                    hit = True
+                    break
+            out[b] = hit
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _mask_threshold(bits, block_size, sign_mask, thr, out):  # type: ignore[no-untyped-def]
+        n = bits.shape[0]
+        for b in prange(out.shape[0]):
+            out[b] = _block_above(bits, b * block_size, min((b + 1) * block_size, n), sign_mask, thr)
+
+    @njit(cache=True, nogil=True)
+    def _mask_threshold_serial(bits, block_size, sign_mask, thr, out):  # type: ignore[no-untyped-def]
+        n = bits.shape[0]
+        for b in range(out.shape[0]):
+            out[b] = _block_above(bits, b * block_size, min((b + 1) * block_size, n), sign_mask, thr)
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _nonzero_indices(mask, chunk):  # type: ignore[no-untyped-def]
+        # Two-pass prefix sum: count per chunk in parallel, scan the few chunk
+        # counts, then every chunk writes its indices at its offset in parallel.
+        nb = mask.shape[0]
+        nchunks = (nb + chunk - 1) // chunk
+        counts = np.zeros(nchunks + 1, dtype=np.int64)
+        for c in prange(nchunks):
+            s = 0
+            for b in range(c * chunk, min((c + 1) * chunk, nb)):
+                s += mask[b] != 0
+            counts[c + 1] = s
+        for c in range(nchunks):
+            counts[c + 1] += counts[c]
+        out = np.empty(counts[nchunks], dtype=np.int64)
+        for c in prange(nchunks):
+            k = counts[c]
+            for b in range(c * chunk, min((c + 1) * chunk, nb)):
+                if mask[b] != 0:
+                    out[k] = b
+                    k += 1
+        return out
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _gather_blocks(bits, indices, block_size, out):  # type: ignore[no-untyped-def]
+        n = bits.shape[0]
+        for p in prange(indices.shape[0]):
+            src = indices[p] * block_size
+            end = min(src + block_size, n)
+            dst = p * block_size
+            for i in range(end - src):
+                out[dst + i] = bits[src + i]
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _scatter_blocks(out, indices, payload, block_size):  # type: ignore[no-untyped-def]
+        n = out.shape[0]
+        nb = (n + block_size - 1) // block_size
+        pos = np.full(nb, -1, dtype=np.int64)
+        for p in prange(indices.shape[0]):
+            pos[indices[p]] = p
+        for b in prange(nb):
+            start = b * block_size
+            end = min(start + block_size, n)
+            p = pos[b]
+            if p < 0:
+                for i in range(start, end):
+                    out[i] = 0
+            else:
+                src = p * block_size - start
+                for i in range(start, end):
+                    out[i] = payload[src + i]
+
+
+def _require_numba() -> None:
+    if not HAVE_NUMBA:
+        raise RuntimeError("numba is not installed")
+
+
+def _flat_bits(flat: np.ndarray, what: str) -> np.ndarray:
+    if not isinstance(flat, np.ndarray) or flat.ndim != 1 or not flat.flags.c_contiguous:
+        raise ConfigError(f"{what} must be a contiguous 1-D NumPy array")
+    return flat.view(bits_info(flat.dtype).uint)
+
+
+def payload_length(indices: np.ndarray, length: int, block_size: int) -> int:
+    """Elements of the payload of blocks ``indices`` of a tensor of ``length`` elements.
+
+    Raises:
+        ConfigError: an index is out of range, or the short last block is present but not last.
+    """
+    nb = -(-length // block_size)
+    k = len(indices)
+    if k == 0:
+        return 0
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= nb:
+        raise ConfigError(f"block indices must lie in [0, {nb}), got [{lo}, {hi}]")
+    short = length - (nb - 1) * block_size
+    if short == block_size or hi != nb - 1:
+        return k * block_size
+    if int(indices[-1]) != nb - 1:
+        raise ConfigError("the short last block must be the last entry of the payload")
+    return k * block_size - (block_size - short)
+
+
+def block_mask_cpu(flat: np.ndarray, block_size: int, threshold: float = 0.0, parallel: bool = True) -> np.ndarray:
+    """Nonzero-block mask of a contiguous 1-D float array with the Numba CPU kernel.
+
+    The parallel kernel splits the blocks over numba's threads; the serial one
+    reads them in one thread and stops reading a block at its first nonzero
+    chunk of elements either way.
+
+    Args:
+        flat: contiguous 1-D array of float16/32/64 (or uint16/int16 bfloat16 bits).
+        block_size: elements per block; the last block may be short.
+        threshold: elements with ``|x| <= threshold`` count as zero; when it is
+            positive, blocks found zero are zeroed in place in ``flat``. NaN and Inf
+            are always nonzero, -0.0 always zero.
+        parallel: use numba's threads; False runs in the calling thread.
+
+    Returns:
+        A bool array with one entry per block, True where any element is nonzero.
+
+    Raises:
+        ConfigError: bad dtype, layout, block size or threshold.
+    """
+    _require_numba()
+    block_size = check_block_size(block_size)
+    info = bits_info(flat.dtype)
+    bits = _flat_bits(flat, "flat")
+    thr = threshold_bits(threshold, info)
+    out = np.empty(-(-flat.shape[0] // block_size), dtype=np.bool_)
+    if thr == 0:
+        block_bytes = block_size * bits.itemsize
+        nfull = flat.shape[0] // block_size
+        if not parallel and nfull and block_bytes % 8 == 0 and bits.ctypes.data % 8 == 0:
+            # 5x faster than the element-wise kernel for float32 (27 -> 5.3 ms per 100 MB here).
+            words = bits[: nfull * block_size].view(np.uint64)
+            repeat = 8 // bits.itemsize
+            sign64 = np.uint64(int.from_bytes(int(info.sign_mask).to_bytes(bits.itemsize, "little") * repeat, "little"))
+            _mask_words_serial(words, np.int64(block_bytes // 8), sign64, out[:nfull])
+            if nfull < out.shape[0]:
+                _mask_bits_serial(bits[nfull * block_size :], np.int64(block_size), info.uint.type(info.sign_mask),
+                                  out[nfull:])
+        else:
+            kernel = _mask_bits if parallel else _mask_bits_serial
+            kernel(bits, np.int64(block_size), info.uint.type(info.sign_mask), out)
+    else:
+        if not flat.flags.writeable:
+            raise ConfigError("a positive threshold zeroes skipped blocks in place: flat must be writeable")
+        kernel = _mask_threshold if parallel else _mask_threshold_serial
+        kernel(bits, np.int64(block_size), info.uint.type(info.sign_mask), info.uint.type(thr), out)
+    return out
+
+
+def compact_cpu(flat: np.ndarray, mask: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Gathers the blocks of ``flat`` where ``mask`` is set into one contiguous payload.
+
+    Args:
+        flat: contiguous 1-D array (any dtype :func:`block_mask_cpu` takes).
+        mask: one entry per block, nonzero = keep (bool or uint8).
+        block_size: elements per block.
+
+    Returns:
+        ``(indices, payload)``: the kept block indices (int64, ascending) and their
+        elements back to back in ``flat``'s dtype, the short last block stored short.
+
+    Raises:
+        ConfigError: the mask length does not match, or bad dtype or block size.
+    """
+    _require_numba()
+    block_size = check_block_size(block_size)
+    bits = _flat_bits(flat, "flat")
+    nb = -(-flat.shape[0] // block_size)
+    if mask.ndim != 1 or mask.shape[0] != nb:
+        raise ConfigError(f"mask has shape {mask.shape}, expected ({nb},)")
+    indices = _nonzero_indices(mask.view(np.uint8), np.int64(_SCAN_CHUNK))
+    out = np.empty(payload_length(indices, flat.shape[0], block_size), dtype=flat.dtype)
+    _gather_blocks(bits, indices, np.int64(block_size), out.view(bits.dtype))
+    return indices, out
+
+
+def scatter_cpu(out: np.ndarray, indices: np.ndarray, payload: np.ndarray, block_size: int) -> None:
+    """Writes the blocks of ``payload`` into ``out`` at ``indices``; every other block of ``out`` is zeroed.
+
+    Args:
+        out: contiguous 1-D array, overwritten entirely.
+        indices: distinct block indices (int64), in payload order.
+        payload: their elements in ``out``'s dtype (see the module's payload format).
+        block_size: elements per block.
+
+    Raises:
+        ConfigError: dtypes, lengths or indices do not fit.
+    """
+    _require_numba()
+    block_size = check_block_size(block_size)
+    bits = _flat_bits(out, "out")
+    if payload.dtype != out.dtype:
+        raise ConfigError(f"payload dtype {payload.dtype} differs from out dtype {out.dtype}")
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    need = payload_length(indices, out.shape[0], block_size)
+    if payload.shape != (need,):
+        raise ConfigError(f"payload has shape {payload.shape}, expected ({need},) for {len(indices)} blocks")
+    _scatter_blocks(bits, indices, np.ascontiguousarray(payload).view(bits.dtype), np.int64(block_size))

@@ -1,0 +1,198 @@
+"""The Numba CPU kernels (mask with threshold, compaction, scatter) against plain NumPy references.
+
+The references here compare floats as floats (``abs(x) <= t``), independently of
+the kernels' bit-pattern arithmetic; :mod:`tests.test_kernels_cuda` reuses them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omnireduce import blocks, kernels
+from omnireduce.dtypes import DType, from_accumulator
+from omnireduce.errors import ConfigError
+from omnireduce.layout import Layout
+
+pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba is not installed")
+
+#: Storage dtypes of the element types; uint16 holds bfloat16 bit patterns.
+DTYPES = [np.float32, np.float16, np.float64, np.uint16]
+_MAX = {np.dtype(np.float32): np.finfo(np.float32).max, np.dtype(np.float16): np.finfo(np.float16).max,
+        np.dtype(np.float64): np.finfo(np.float64).max}
+
+
+def values_of(x: np.ndarray) -> np.ndarray:
+    """The float values of a storage array (bfloat16 bits widened to float32)."""
+    if x.dtype == np.uint16:
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x
+
+
+def rounded_threshold(threshold: float, dtype: np.dtype) -> float:
+    """The threshold in the element type (nearest; bfloat16 via float32), capped at the largest finite value."""
+    dtype = np.dtype(dtype)
+    with np.errstate(over="ignore"):
+        if dtype == np.uint16:
+            bits = from_accumulator(np.array([threshold], np.float32), DType.BFLOAT16)
+            t = float(values_of(bits)[0])
+            return t if np.isfinite(t) else float(values_of(np.array([0x7F7F], np.uint16))[0])
+        t = float(dtype.type(threshold))
+    return t if np.isfinite(t) else float(_MAX[dtype])
+
+
+def ref_mask(x: np.ndarray, block_size: int, threshold: float = 0.0) -> np.ndarray:
+    """Reference mask: a block is nonzero if any ``not (|x| <= t)`` (so NaN counts)."""
+    n = len(x)
+    nb = -(-n // block_size)
+    nz = ~(np.abs(values_of(x)) <= rounded_threshold(threshold, x.dtype))
+    pad = np.zeros(nb * block_size, bool)
+    pad[:n] = nz
+    return pad.reshape(nb, block_size).any(1)
+
+
+def ref_zeroed(x: np.ndarray, mask: np.ndarray, block_size: int, threshold: float) -> np.ndarray:
+    """What the kernels leave in ``x``: with a positive threshold, zero blocks are set to 0."""
+    out = x.copy()
+    if threshold > 0:
+        for b in np.flatnonzero(~mask):
+            out[b * block_size : (b + 1) * block_size] = 0
+    return out
+
+
+def ref_compact(x: np.ndarray, mask: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.flatnonzero(mask)
+    return ids, blocks.gather(x, ids, Layout(len(x), block_size, 1, 1))
+
+
+def ref_scatter(n: int, ids: np.ndarray, payload: np.ndarray, block_size: int) -> np.ndarray:
+    out = np.zeros(n, payload.dtype)
+    blocks.scatter(out, ids, payload, Layout(n, block_size, 1, 1))
+    return out
+
+
+def make_case(rng: np.random.Generator, n: int, dtype: type, density: float = 0.05) -> np.ndarray:
+    """Sparse random data with NaN, +-Inf, -0.0, subnormals and small values sprinkled in."""
+    vals = np.where(rng.random(n) < density, rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3, n), 0.0)
+    vals = vals.astype(np.float32)
+    k = max(1, n // 50) if n else 0
+    for special in (np.nan, np.inf, -np.inf, -0.0, 1e-45, 1e-3):
+        vals[rng.integers(0, n, size=k // 6 + 1) if n else []] = special
+    if dtype is np.uint16:
+        return (vals.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bfloat16
+    with np.errstate(over="ignore"):
+        return vals.astype(dtype)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a.view(np.uint8) == b.view(np.uint8)).all())
+
+
+CASES = [(n, bs) for n in (0, 1, 7, 255, 256, 257, 1000, 70_001) for bs in (1, 3, 8, 256)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("threshold", [0.0, 1e-3, 0.5, 1e30])
+def test_mask_matches_reference(dtype, threshold) -> None:
+    rng = np.random.default_rng(hash((np.dtype(dtype).name, threshold)) % 2**32)
+    for n, bs in CASES:
+        x = make_case(rng, n, dtype)
+        expect = ref_mask(x, bs, threshold)
+        for parallel in (True, False):
+            y = x.copy()
+            got = kernels.block_mask_cpu(y, bs, threshold, parallel=parallel)
+            assert got.dtype == np.bool_
+            np.testing.assert_array_equal(got, expect, err_msg=f"n={n} bs={bs} parallel={parallel}")
+            assert same_bits(y, ref_zeroed(x, expect, bs, threshold)), f"n={n} bs={bs} parallel={parallel}"
+        z = x.copy()
+        np.testing.assert_array_equal(blocks.block_mask(z, bs, threshold=threshold), expect)
+        assert same_bits(z, y)
+        z = x.copy()
+        np.testing.assert_array_equal(blocks.block_mask_numpy(z, bs, threshold=threshold), expect)
+        assert same_bits(z, y)
+
+
+def test_threshold_is_compared_in_the_element_type() -> None:
+    # float32(0.3) is slightly above 0.3, yet |x| <= threshold holds in float32 (as in NumPy and torch).
+    x = np.array([0.3, -0.3, 0.0, 0.0, 0.30000004, 0, 0, 0], np.float32)
+    np.testing.assert_array_equal(kernels.block_mask_cpu(x, 4, 0.3), [False, True])
+    np.testing.assert_array_equal(x[:4], 0)
+    # A threshold beyond the type's range leaves Inf and NaN nonzero.
+    h = np.array([np.inf, 0, 60000, 1, np.nan, 0], np.float16)
+    np.testing.assert_array_equal(kernels.block_mask_cpu(h.copy(), 2, 1e9), [True, False, True])
+    bf = np.array([0x7F80, 0x7F7F, 0x3F80, 0x0001], np.uint16)  # inf, max, 1.0, subnormal
+    np.testing.assert_array_equal(kernels.block_mask_cpu(bf.copy(), 1, 1e300), [True, False, False, False])
+    np.testing.assert_array_equal(kernels.block_mask_cpu(bf.copy(), 1, 0.99), [True, True, True, False])
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "x"])
+def test_bad_threshold(bad) -> None:
+    with pytest.raises(ConfigError):
+        kernels.block_mask_cpu(np.zeros(4, np.float32), 2, bad)
+
+
+def test_threshold_needs_writeable_input() -> None:
+    x = np.zeros(8, np.float32)
+    x.flags.writeable = False
+    np.testing.assert_array_equal(kernels.block_mask_cpu(x, 4), [False, False])
+    with pytest.raises(ConfigError):
+        kernels.block_mask_cpu(x, 4, 0.5)
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ConfigError):
+        kernels.block_mask_cpu(np.zeros(4, np.int32), 2)
+    with pytest.raises(ConfigError):
+        kernels.block_mask_cpu(np.zeros((2, 4), np.float32), 2)
+    with pytest.raises(ConfigError):
+        kernels.block_mask_cpu(np.zeros(8, np.float32)[::2], 2)
+    with pytest.raises(ConfigError):
+        kernels.block_mask_cpu(np.zeros(8, np.float32), 0)
+    with pytest.raises(ConfigError):
+        kernels.compact_cpu(np.zeros(8, np.float32), np.zeros(3, bool), 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_compact_and_scatter_match_reference(dtype) -> None:
+    rng = np.random.default_rng(np.dtype(dtype).itemsize)
+    for n, bs in CASES:
+        x = make_case(rng, n, dtype, density=0.1)
+        mask = ref_mask(x, bs)
+        ids, payload = kernels.compact_cpu(x, mask, bs)
+        rids, rpayload = ref_compact(x, mask, bs)
+        np.testing.assert_array_equal(ids, rids)
+        assert ids.dtype == np.int64
+        assert same_bits(payload, rpayload), f"n={n} bs={bs}"
+        out = make_case(rng, n, dtype, density=1.0)  # garbage everywhere: absent blocks must be zeroed
+        kernels.scatter_cpu(out, ids, payload, bs)
+        assert same_bits(out, ref_scatter(n, ids, payload, bs)), f"n={n} bs={bs}"
+        # A uint8 mask works as well as a bool one.
+        ids8, _ = kernels.compact_cpu(x, mask.astype(np.uint8), bs)
+        np.testing.assert_array_equal(ids8, rids)
+
+
+def test_scatter_any_order_and_errors() -> None:
+    n, bs = 10, 4  # blocks of 4, 4, 2
+    payload = np.arange(1, 11, dtype=np.float32)[[4, 5, 6, 7, 0, 1, 2, 3, 8, 9]]
+    out = np.full(n, 9, np.float32)
+    kernels.scatter_cpu(out, np.array([1, 0, 2]), payload, bs)
+    np.testing.assert_array_equal(out, np.arange(1, 11))
+    kernels.scatter_cpu(out, np.array([2]), np.array([5, 6], np.float32), bs)
+    np.testing.assert_array_equal(out, [0] * 8 + [5, 6])
+    with pytest.raises(ConfigError):  # the short block must come last
+        kernels.scatter_cpu(out, np.array([2, 0]), np.zeros(6, np.float32), bs)
+    with pytest.raises(ConfigError):
+        kernels.scatter_cpu(out, np.array([3]), np.zeros(4, np.float32), bs)
+    with pytest.raises(ConfigError):
+        kernels.scatter_cpu(out, np.array([0]), np.zeros(3, np.float32), bs)
+    with pytest.raises(ConfigError):
+        kernels.scatter_cpu(out, np.array([0]), np.zeros(4, np.float64), bs)
+
+
+def test_threshold_bits_orders_like_floats() -> None:
+    rng = np.random.default_rng(5)
+    for dtype in (np.float32, np.float16, np.float64, np.uint16):
+        info = kernels.bits_info(dtype)
+        for t in np.concatenate([[0.0, 1e-40, 5e-324, 1.0, 65504.0, 3.4e38], 10.0 ** rng.uniform(-30, 30, 50)]):
+            thr = kernels.threshold_bits(float(t), info)
+            assert float(values_of(np.array([thr], info.uint).view(np.dtype(dtype)))[0]) == rounded_threshold(float(t), dtype)

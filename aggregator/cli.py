@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import threading
 from types import FrameType
 
+from aggregator.limits import Limits
 from aggregator.server import Aggregator
+from omnireduce.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+_LIMIT_HELP = {
+    "max_jobs": "jobs known at once",
+    "max_world_size": "workers per job",
+    "max_ops_per_job": "ops of one job in flight at once",
+    "max_job_bytes": "bytes held for one job's ops in flight",
+    "max_bytes": "bytes held for all jobs",
+    "max_message_bytes": "largest frame accepted (zmq.MAXMSGSIZE; larger: the sender is disconnected)",
+    "max_streams": "streams per op",
+    "max_jobs_per_connection": "jobs one connection may join",
+    "max_queued_messages": "messages queued per connection before reading from it pauses (zmq.RCVHWM)",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -21,6 +36,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds after an op's first message at which it fails on all workers (0 disables)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--heartbeat", type=float, default=None,
+        help="seconds between heartbeats per connection (0: off); default $OMNIREDUCE_HEARTBEAT, else 1",
+    )
+    p.add_argument(
+        "--heartbeat-timeout", type=float, default=None,
+        help="seconds of silence after which a worker counts as lost; default $OMNIREDUCE_HEARTBEAT_TIMEOUT, else 5",
+    )
+    p.add_argument(
+        "--curve-secret-key", default=None,
+        help="this aggregator's .key_secret file (omnireduce-keygen): turns CURVE encryption on; "
+        "default $OMNIREDUCE_CURVE_SECRET_KEY",
+    )
+    p.add_argument(
+        "--curve-client-keys", default=None,
+        help="directory of the workers' .key files allowed to connect (default $OMNIREDUCE_CURVE_CLIENT_KEYS; "
+        "unset with CURVE on: any key, encryption only)",
+    )
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any)")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint")
+    defaults = Limits()
+    for f in dataclasses.fields(Limits):
+        p.add_argument(
+            "--" + f.name.replace("_", "-"), type=int, default=getattr(defaults, f.name),
+            help=f"{_LIMIT_HELP[f.name]} (default %(default)s)",
+        )
     return p.parse_args(argv)
 
 
@@ -32,8 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout < 0:
         raise SystemExit("--timeout must be >= 0")
     try:
-        agg = Aggregator(listen=args.listen, timeout=args.timeout or None)
-    except OSError as e:
+        limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
+        agg = Aggregator(
+            listen=args.listen, timeout=args.timeout or None, limits=limits,
+            heartbeat=args.heartbeat, heartbeat_timeout=args.heartbeat_timeout,
+            curve_secret_key=args.curve_secret_key, curve_client_keys=args.curve_client_keys,
+            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+        )
+    except (OSError, ConfigError) as e:
         logger.error("%s", e)
         return 1
     stop = threading.Event()

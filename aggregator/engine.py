@@ -6,6 +6,13 @@ per column (``nextp``, ranks x columns); per stream and round it knows from that
 table exactly which workers must send, sums their blocks in rank order once all
 have, and answers every worker with the sums and the next instruction: the
 per-column minimum of the workers' next pointers.
+
+Around the ops it keeps, per job, the token fixed by the job's first worker, the
+generation (a restarted job fails the ops of the older one), the connection bound
+to each rank (bound by HELLO, or implicitly by START for a job without a token)
+and the ranks that went away (:meth:`Engine.peer_gone`). Every resource a peer can
+make it hold is capped (:class:`aggregator.limits.Limits`); past a cap a peer gets
+an ERROR, never unbounded memory.
 """
 
 from __future__ import annotations
@@ -19,14 +26,18 @@ from typing import Any
 
 import numpy as np
 
+from aggregator.jobs import Job, Jobs, Refused
+from aggregator.limits import Counters, Limits, RateLimitedLog
 from omnireduce import blocks
 from omnireduce.dtypes import DType, from_accumulator, to_accumulator
 from omnireduce.errors import OmniReduceError, ProtocolError
 from omnireduce.layout import INF, Layout
 from omnireduce.protocol import (
     Blocks,
+    Bye,
     Error,
     ErrorCode,
+    Hello,
     Result,
     Start,
     buffer_of,
@@ -43,9 +54,16 @@ __all__ = ["Engine", "Outgoing"]
 Outgoing = tuple[bytes, list[Any]]
 _EMPTY_INDEX = np.empty(0, dtype=np.int64)
 _TOMBSTONES = 1024
+# Python objects of one stream and one op beyond their arrays: an estimate for the byte caps.
+_STREAM_OVERHEAD = 512
+_OP_OVERHEAD = 2048
+# Ranks listed in an error's text; the error's ranks field has all of them.
+_RANKS_IN_TEXT = 16
 
 
 class _OpFailed(OmniReduceError):
+    """Fails an op on every worker that joined it (and on the sender)."""
+
     def __init__(self, code: ErrorCode, message: str, ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.code = code
@@ -64,6 +82,8 @@ class _Stream:
     expected: set[int] = field(default_factory=set)
     received: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     done: bool = False
+    # Bytes of the received frames kept until the round completes.
+    held: int = 0
 
 
 @dataclass(slots=True)
@@ -79,6 +99,15 @@ class _Op:
     nextp: np.ndarray
     streams: list[_Stream]
     streams_left: int
+    generation: int = 0
+    # Bytes counted against the job's and the aggregator's caps (tables + held frames).
+    held: int = 0
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) <= _RANKS_IN_TEXT:
+        return str(ranks)
+    return f"{ranks[:_RANKS_IN_TEXT]} and {len(ranks) - _RANKS_IN_TEXT} more"
 
 
 class Engine:
@@ -88,51 +117,91 @@ class Engine:
         timeout: seconds after an op's first message at which it is failed with
             TIMEOUT, naming the ranks it still waits for; None waits forever.
         clock: monotonic time source (tests substitute their own).
+        limits: caps on what peers can make the engine hold; defaults otherwise.
     """
 
-    def __init__(self, timeout: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        timeout: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        limits: Limits | None = None,
+    ) -> None:
         self.timeout = timeout
         self._clock = clock
+        self.limits = limits or Limits()
+        self.counters = Counters()
         self._ops: dict[tuple[str, int], _Op] = {}
-        self._failed: OrderedDict[tuple[str, int], tuple[ErrorCode, str, list[int]]] = OrderedDict()
+        self._jobs = Jobs(self.limits)
+        self._failed: OrderedDict[tuple[str, int], tuple[int, ErrorCode, str, list[int]]] = OrderedDict()
+        self._log = RateLimitedLog(logger, clock=clock)
         self.ops_completed = 0
         self.ops_failed = 0
+        self.held_bytes = 0
+        self.peak_held_bytes = 0
 
     @property
     def active_ops(self) -> int:
         return len(self._ops)
 
+    @property
+    def active_jobs(self) -> int:
+        return len(self._jobs)
+
+    def job_info(self, name: str) -> dict[str, Any] | None:
+        """What the engine knows of a job (for logs, tests and debugging), or None.
+
+        Returns:
+            ``generation``, ``world_size``, ``ranks`` (connected), ``lost`` (rank ->
+            why), ``ops`` (in flight) and ``held_bytes``.
+        """
+        j = self._jobs.get(name)
+        if j is None:
+            return None
+        return {
+            "generation": j.generation, "world_size": j.world_size, "ranks": sorted(j.members),
+            "lost": dict(j.lost), "ops": sorted(j.ops), "held_bytes": j.held,
+        }
+
     def handle(self, peer: bytes, frames: list[Any]) -> list[Outgoing]:
         """Processes one message from ``peer`` and returns what to send.
 
-        Never raises for bad input: a message that cannot be decoded gets an ERROR
-        reply; one that breaks an op fails that op on every worker.
+        Never raises for bad input: a message that cannot be decoded or is not
+        allowed gets an ERROR reply; one that breaks an op fails that op on every
+        worker.
         """
+        self.counters.messages_in += 1
         try:
             msg, data = decode(frames)
         except ProtocolError as e:
-            logger.warning("bad message from peer %s: %s", peer.hex(), e)
-            return [(peer, encode(Error("?", None, ErrorCode.PROTOCOL, str(e), [])))]
-        if isinstance(msg, Start):
-            key = (msg.job, msg.op)
-        elif isinstance(msg, Blocks):
-            key = (msg.job, msg.op)
-        else:
-            err = f"{msg.TYPE.name} is not a message a worker may send"
-            logger.warning("peer %s: %s", peer.hex(), err)
-            return [(peer, encode(Error(msg.job, None, ErrorCode.PROTOCOL, err, [])))]
+            return self._refuse(peer, "?", None, Refused(ErrorCode.PROTOCOL, str(e)))
+        if isinstance(msg, Bye):
+            return self._on_bye(peer, msg)
+        if not isinstance(msg, (Hello, Start, Blocks)):
+            err = Refused(ErrorCode.PROTOCOL, f"{msg.TYPE.name} is not a message a worker may send")
+            return self._refuse(peer, msg.job, None, err)
+        try:
+            if isinstance(msg, Hello):
+                return self._on_hello(peer, msg)
+            job = self._jobs.admit(peer, msg)
+        except Refused as e:
+            return self._refuse(peer, msg.job, msg.rank, e)
+        key = (msg.job, msg.op)
         failed = self._failed.get(key)
-        if failed is not None:
-            code, message, ranks = failed
+        if failed is not None and failed[0] == job.generation:
+            _, code, message, ranks = failed
             return [(peer, encode(Error(key[0], key[1], code, message, ranks)))]
         try:
             if isinstance(msg, Start):
-                return self._on_start(peer, msg, data)
+                return self._on_start(peer, job, msg, data)
             return self._on_blocks(peer, msg, data)
+        except Refused as e:
+            return self._refuse(peer, msg.job, msg.rank, e)
         except _OpFailed as e:
             return self._fail(key, e.code, e.message, e.ranks, extra_peer=peer)
         except Exception as e:  # a bug must fail the op, not kill the daemon
-            logger.exception("internal error handling %s for job %r op %d", msg.TYPE.name, key[0], key[1])
+            logger.exception(
+                "internal error handling %s (job=%r op=%d rank=%d)", msg.TYPE.name, key[0], key[1], msg.rank
+            )
             return self._fail(key, ErrorCode.INTERNAL, f"internal aggregator error: {e!r}", [], extra_peer=peer)
 
     def expire(self) -> list[Outgoing]:
@@ -149,50 +218,211 @@ class Engine:
                 missing = sorted({r for s in op.streams if not s.done for r in s.expected - s.received.keys()})
             out += self._fail(
                 key, ErrorCode.TIMEOUT,
-                f"op did not complete within {self.timeout:g} s; waiting for ranks {missing}", missing,
+                f"op did not complete within {self.timeout:g} s; waiting for ranks {_ranks_text(missing)}", missing,
             )
         return out
+
+    def peer_gone(self, peer: bytes, reason: str = "disconnected") -> list[Outgoing]:
+        """Forgets a connection that closed or stopped answering; fails the ops that needed it.
+
+        A rank whose connection goes fails every op of its job in flight, naming it,
+        and the job's new ops fail fast until that rank connects again or the job
+        restarts with a new generation.
+
+        Args:
+            peer: the connection's routing id.
+            reason: how it went, for the error text (e.g. "disconnected").
+        """
+        gone = self._jobs.unbind(peer, reason)
+        if any(lost is not None for _, _, lost in gone):
+            self.counters.peers_lost += 1
+        out: list[Outgoing] = []
+        for j, rank, lost in gone:
+            if lost is None:
+                doomed = []
+            elif lost:
+                doomed = sorted(j.ops)
+                logger.warning(
+                    "job=%r gen=%d rank=%d: connection %s %s; failing the job's %d ops in flight",
+                    j.name, j.generation, rank, peer.hex(), reason, len(doomed),
+                )
+            else:
+                doomed = sorted(o for o in j.ops if peer in self._ops[(j.name, o)].peers)
+            for o in doomed:
+                out += self._fail((j.name, o), ErrorCode.PEER_LOST, f"rank {rank} {reason}", [rank])
+            self._drop_if_idle(j)
+        return out
+
+    def _on_hello(self, peer: bytes, msg: Hello) -> list[Outgoing]:
+        j, stale = self._jobs.hello(peer, msg)
+        out: list[Outgoing] = []
+        for o in stale:
+            out += self._fail((j.name, o), ErrorCode.STALE, f"the job was restarted with generation {j.generation}", [])
+        if stale:
+            self._forget_failures(j.name)
+        return out
+
+    def _on_bye(self, peer: bytes, msg: Bye) -> list[Outgoing]:
+        j = self._jobs.leave(peer, msg.job, msg.rank)
+        if j is None:
+            return []
+        out: list[Outgoing] = []
+        # Ops it had joined cannot complete; ops it had not joined will time out, naming it.
+        for o in sorted(o for o in j.ops if peer in self._ops[(j.name, o)].peers):
+            out += self._fail((j.name, o), ErrorCode.PEER_LOST, f"rank {msg.rank} left (its worker was closed)",
+                              [msg.rank])
+        self._drop_if_idle(j)
+        return out
+
+    def _drop_if_idle(self, j: Job) -> None:
+        if self._jobs.drop_if_idle(j):
+            self._forget_failures(j.name)
+
+    def _forget_failures(self, job: str) -> None:
+        for key in [k for k in self._failed if k[0] == job]:
+            del self._failed[key]
+
+    def _refuse(self, peer: bytes, job: str, rank: int | None, e: Refused) -> list[Outgoing]:
+        self.counters.error(e.code.name.lower())
+        self._log(
+            logging.WARNING, "refused a message of connection %s (job=%r rank=%s op=%s): %s: %s",
+            peer.hex(), job, rank, e.op, e.code.name, e.message,
+        )
+        return [(peer, encode(Error(job, e.op, e.code, e.message, e.ranks)))]
 
     def _fail(
         self, key: tuple[str, int], code: ErrorCode, message: str, ranks: list[int], extra_peer: bytes | None = None
     ) -> list[Outgoing]:
-        logger.error("job %r op %d failed (%s): %s", key[0], key[1], code.name, message)
+        self._log(logging.ERROR, "job=%r op=%d failed (%s): %s", key[0], key[1], code.name, message)
         op = self._ops.pop(key, None)
-        self._failed[key] = (code, message, ranks)
+        job = self._jobs.get(key[0])
+        generation = op.generation if op is not None else job.generation if job is not None else 0
+        self._failed[key] = (generation, code, message, ranks)
         if len(self._failed) > _TOMBSTONES:
             self._failed.popitem(last=False)
         self.ops_failed += 1
+        self.counters.error(code.name.lower())
+        if op is not None:
+            self._release(op)
         peers = {p for p in (op.peers if op else []) if p is not None}
         if extra_peer is not None:
             peers.add(extra_peer)
-        return [(p, encode(Error(key[0], key[1], code, message, ranks))) for p in peers]
+        frames = encode(Error(key[0], key[1], code, message, ranks))
+        return [(p, frames) for p in peers]
 
-    def _on_start(self, peer: bytes, msg: Start, data: list[Any]) -> list[Outgoing]:
+    # Bytes held, against the limits.
+
+    def _hold(self, op: _Op, s: _Stream | None, nbytes: int) -> None:
+        j = self._jobs[op.job]
+        lim = self.limits
+        if j.held + nbytes > lim.max_job_bytes:
+            raise _OpFailed(ErrorCode.LIMIT, f"the job would hold {j.held + nbytes} bytes in flight, above the "
+                            f"limit of {lim.max_job_bytes}")
+        if self.held_bytes + nbytes > lim.max_bytes:
+            raise _OpFailed(ErrorCode.LIMIT, f"the aggregator would hold {self.held_bytes + nbytes} bytes in flight, "
+                            f"above its limit of {lim.max_bytes}")
+        if s is not None:
+            s.held += nbytes
+        op.held += nbytes
+        j.held += nbytes
+        self.held_bytes += nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+
+    def _unhold(self, op: _Op, s: _Stream) -> None:
+        nbytes, s.held = s.held, 0
+        op.held -= nbytes
+        self._jobs[op.job].held -= nbytes
+        self.held_bytes -= nbytes
+
+    def _release(self, op: _Op) -> None:
+        """Gives back everything an op held; it is no longer in flight."""
+        j = self._jobs.get(op.job)
+        self.held_bytes -= op.held
+        if j is not None:
+            j.held -= op.held
+            j.ops.discard(op.op)
+        op.held = 0
+        for s in op.streams:
+            s.held = 0
+            s.received = {}
+        if j is not None:
+            self._drop_if_idle(j)
+
+    def _retire(self, op: _Op) -> None:
+        """Books a completed op."""
+        self.counters.observe_latency(self._clock() - op.started)
+        self._release(op)
+
+    # Ops.
+
+    def _new_op(self, j: Job, msg: Start, data: list[Any]) -> _Op:
+        lim = self.limits
+        if msg.world_size != j.world_size:
+            raise _OpFailed(
+                ErrorCode.MISMATCH, f"rank {msg.rank} says the job has {msg.world_size} workers, the job has "
+                f"{j.world_size}", [msg.rank],
+            )
+        if j.lost:
+            lost = sorted(j.lost)
+            raise _OpFailed(
+                ErrorCode.PEER_LOST, f"rank {lost[0]} {j.lost[lost[0]]}"
+                + (f" (ranks {_ranks_text(lost)} are gone)" if len(lost) > 1 else "")
+                + "; restart the job with a new generation", lost,
+            )
+        if len(j.ops) >= lim.max_ops_per_job:
+            raise _OpFailed(ErrorCode.LIMIT, f"the job has {len(j.ops)} ops in flight, its limit")
+        if msg.streams > lim.max_streams:
+            raise _OpFailed(ErrorCode.LIMIT, f"{msg.streams} streams exceed the limit of {lim.max_streams}")
+        try:
+            layout = Layout(msg.length, msg.block_size, msg.message_blocks, msg.streams)
+        except OmniReduceError as e:
+            raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank}: {e}") from None
+        dtype = DType(msg.dtype)
+        message = min(msg.message_blocks, max(layout.num_columns, 1)) * msg.block_size * dtype.itemsize
+        if message > lim.max_message_bytes:
+            raise _OpFailed(ErrorCode.LIMIT, f"messages of this op would carry up to {message} bytes, above the "
+                            f"limit of {lim.max_message_bytes}; use smaller blocks or fewer blocks per message")
+        # Checked before anything is allocated for the op.
+        if len(data) != 1 or buffer_of(data[0]).nbytes != 8 * layout.num_columns:
+            raise _OpFailed(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry {layout.num_columns} "
+                            "column pointers")
+        op = _Op(
+            job=msg.job, op=msg.op, world_size=msg.world_size, layout=layout, dtype=dtype,
+            params=(msg.world_size, msg.length, msg.dtype, msg.block_size, msg.message_blocks, msg.streams),
+            started=self._clock(), peers=[None] * msg.world_size,
+            nextp=_EMPTY_INDEX, streams=[], streams_left=layout.num_streams, generation=j.generation,
+        )
+        # Reserve the tables before allocating them, so a huge layout is refused, not attempted.
+        self._hold(op, None, msg.world_size * layout.num_columns * 9 + layout.num_streams * _STREAM_OVERHEAD
+                   + _OP_OVERHEAD)
+        j.ops.add(msg.op)
+        self._ops[(msg.job, msg.op)] = op
+        op.nextp = np.full((msg.world_size, layout.num_columns), INF, dtype=np.int64)
+        op.streams = [_Stream(s, layout.stream_columns(s)) for s in range(layout.num_streams)]
+        self.counters.ops_started += 1
+        return op
+
+    def _on_start(self, peer: bytes, j: Job, msg: Start, data: list[Any]) -> list[Outgoing]:
         key = (msg.job, msg.op)
         params = (msg.world_size, msg.length, msg.dtype, msg.block_size, msg.message_blocks, msg.streams)
         op = self._ops.get(key)
         if op is None:
-            try:
-                layout = Layout(msg.length, msg.block_size, msg.message_blocks, msg.streams)
-            except OmniReduceError as e:
-                raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank}: {e}") from None
-            op = _Op(
-                job=msg.job, op=msg.op, world_size=msg.world_size, layout=layout, dtype=DType(msg.dtype),
-                params=params, started=self._clock(), peers=[None] * msg.world_size,
-                nextp=np.full((msg.world_size, layout.num_columns), INF, dtype=np.int64),
-                streams=[_Stream(s, layout.stream_columns(s)) for s in range(layout.num_streams)],
-                streams_left=layout.num_streams,
-            )
-            self._ops[key] = op
+            op = self._new_op(j, msg, data)
         elif params != op.params:
             names = ("world_size", "length", "dtype", "block_size", "message_blocks", "streams")
-            diff = ", ".join(
-                f"{n}: {a} vs {b}" for n, a, b in zip(names, op.params, params, strict=True) if a != b
-            )
             joined = [r for r, p in enumerate(op.peers) if p is not None]
+            # Lower ranks' values first, so the text does not depend on who arrived first.
+            groups = [joined, [msg.rank]]
+            pairs = [op.params, params]
+            if joined and msg.rank < joined[0]:
+                groups.reverse()
+                pairs.reverse()
+            diff = ", ".join(
+                f"{n}: {a} vs {b}" for n, a, b in zip(names, pairs[0], pairs[1], strict=True) if a != b
+            )
             raise _OpFailed(
                 ErrorCode.MISMATCH,
-                f"workers disagree on the op: rank {msg.rank} sent {diff} (first value from ranks {joined})",
+                f"workers disagree on the op: {diff} (ranks {_ranks_text(groups[0])} vs {_ranks_text(groups[1])})",
                 sorted({*joined, msg.rank}),
             )
         if op.peers[msg.rank] is not None:
@@ -213,6 +443,9 @@ class Engine:
         out: list[Outgoing] = []
         for s in op.streams:
             out += self._advance(op, s, np.empty(0, dtype=op.dtype.storage))
+        self.counters.rounds += len(op.streams)
+        if op.streams_left == 0:
+            self._retire(op)
         return out
 
     def _check_pointers(
@@ -248,9 +481,13 @@ class Engine:
         key = (msg.job, msg.op)
         op = self._ops.get(key)
         if op is None:
-            return [(peer, encode(Error(msg.job, msg.op, ErrorCode.UNKNOWN_OP, "no such op in flight", [msg.rank])))]
-        if msg.rank >= op.world_size or msg.stream >= len(op.streams):
+            raise Refused(ErrorCode.UNKNOWN_OP, "no such op in flight", msg.op, [msg.rank])
+        if msg.stream >= len(op.streams):
             raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank} sent stream {msg.stream} out of range", [msg.rank])
+        if op.peers[msg.rank] != peer:
+            # Only the connection that joined the op may send its blocks.
+            raise Refused(ErrorCode.PROTOCOL, f"rank {msg.rank} did not join op {msg.op} on this connection",
+                           msg.op, [msg.rank])
         s = op.streams[msg.stream]
         if s.done or msg.round != s.round or msg.rank not in s.expected or msg.rank in s.received:
             raise _OpFailed(
@@ -261,7 +498,6 @@ class Engine:
             )
         if len(data) != 2:
             raise _OpFailed(ErrorCode.PROTOCOL, f"BLOCKS from rank {msg.rank} has {len(data)} frames, expected 2")
-        op.peers[msg.rank] = peer
         sel = np.flatnonzero(s.match[msg.rank])
         ptrs = index_array(data[0])
         if len(ptrs) != len(sel):
@@ -276,28 +512,78 @@ class Engine:
             raise _OpFailed(
                 ErrorCode.PROTOCOL, f"rank {msg.rank} sent a payload of {buf.nbytes} bytes, expected {want}", [msg.rank]
             )
+        # The frames stay referenced until the round completes: count them against the caps.
+        self._hold(op, s, buf.nbytes + ptrs.nbytes)
         s.received[msg.rank] = (sel, ptrs, np.frombuffer(buf, dtype=op.dtype.storage))
+        self.counters.blocks_in += len(sel)
         if len(s.received) < len(s.expected):
             return []
-        return self._complete_round(op, s)
+        summed = int(np.count_nonzero(s.cur != INF))
+        out = self._complete_round(op, s)
+        self._unhold(op, s)
+        self.counters.rounds += 1
+        self.counters.blocks_out += summed * op.world_size
+        if op.streams_left == 0:
+            self._retire(op)
+        return out
 
     def _complete_round(self, op: _Op, s: _Stream) -> list[Outgoing]:
         layout = op.layout
-        active = np.flatnonzero(s.cur != INF)
+        b = layout.block_size
+        is_active = s.cur != INF
+        active = np.flatnonzero(is_active)
         ids = s.cur[active]
-        # Row of each column of the stream in the summed output.
-        row_of = np.cumsum(s.cur != INF) - 1
-        acc = np.zeros((len(active), layout.block_size), dtype=op.dtype.accumulator)
-        # A fixed rank order makes the sums identical from run to run.
+        k = len(active)
+        n_out = layout.payload_elements(ids)
+        # Without the short last block, a rank that sent every instructed block (every
+        # round of a dense tensor) has a payload that lines up with the sums row for
+        # row: it is added as one contiguous array, with no zeroing and no fancy index.
+        aligned = n_out == k * b
+        acc_type = op.dtype.accumulator
+        row_of: np.ndarray | None = None
+        acc: np.ndarray | None = None
+        # The first whole payload waits for the second, so that the two are summed
+        # in one pass into a new array (no zeroing, no copy of the first).
+        first: np.ndarray | None = None
+        # A fixed rank order makes the sums identical from run to run and on every worker.
         for rank in sorted(s.received):
             sel, ptrs, payload = s.received[rank]
+            op.nextp[rank, sel + s.cols.start] = ptrs
+            if aligned and len(sel) == k:
+                vals = payload.reshape(k, b)
+                if vals.dtype != acc_type:
+                    vals = to_accumulator(vals, op.dtype)
+                if acc is not None:
+                    acc += vals
+                elif first is None:
+                    first = vals
+                else:
+                    acc = np.add(first, vals)
+                continue
+            if acc is None:
+                acc = np.zeros((k, b), dtype=acc_type)
+                if first is not None:
+                    acc += first
+            if row_of is None:
+                # Row of each column of the stream in the summed output.
+                row_of = np.cumsum(is_active) - 1
             rows = row_of[sel]
             for sl, view in blocks.split_payload(payload, s.cur[sel], layout):
-                acc[rows[sl], : view.shape[1]] += to_accumulator(view, op.dtype)
-            op.nextp[rank, sel + s.cols.start] = ptrs
+                # to_accumulator copies even when the types agree.
+                vals = view if view.dtype == acc_type else to_accumulator(view, op.dtype)
+                if view.shape[1] == b:
+                    acc[rows[sl]] += vals
+                else:
+                    acc[rows[sl], : view.shape[1]] += vals
+        if acc is None:
+            # One whole payload is its own sum: sent back as received, without a copy.
+            acc = first if first is not None else np.zeros((k, b), dtype=acc_type)
         summed = from_accumulator(acc, op.dtype)
-        out = np.empty(layout.payload_elements(ids), dtype=op.dtype.storage)
-        for sl, view in blocks.split_payload(out, ids, layout):
-            view[:] = summed[sl, : view.shape[1]]
+        if aligned:
+            out = summed.reshape(-1)
+        else:
+            out = np.empty(n_out, dtype=op.dtype.storage)
+            for sl, view in blocks.split_payload(out, ids, layout):
+                view[:] = summed[sl, : view.shape[1]]
         s.round += 1
         return self._advance(op, s, out)

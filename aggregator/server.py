@@ -1,31 +1,66 @@
-"""The aggregator daemon as a library object: a ROUTER socket around :class:`Engine`."""
+"""The aggregator daemon as a library object: a ROUTER socket around :class:`Engine`.
+
+Besides moving messages, the socket loop notices workers that go away: the
+socket's monitor reports every closed connection (a killed process closes its
+TCP connection at once; ZeroMQ heartbeats close the connection of a paused or
+unreachable one), and the engine then fails the ops that needed it. The monitor
+names connections by file descriptor, so the loop remembers which connection
+(descriptor, and how many times that descriptor was accepted) each routing id
+arrived on.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
+import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from aggregator.engine import Engine
+from aggregator.engine import Engine, Outgoing
+from aggregator.limits import Limits, RateLimitedLog
+from omnireduce import auth, config
+from omnireduce.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Aggregator"]
 
 _POLL_MS = 50
-# Messages handled before the loop looks at timeouts and the stop flag again.
+# A closed connection's last messages (a BYE) are read before it is declared gone;
+# under a flood that keeps the socket busy, after this many seconds regardless.
+_DEPARTURE_GRACE_S = 1.0
+# Messages handled before the loop looks at timeouts, the monitor and the stop flag again.
 _BATCH = 256
 # Far above what the protocol keeps in flight (streams x ops per worker), so a
 # full queue means a peer that stopped reading, which ROUTER_MANDATORY reports.
-_HWM = 100_000
+_SNDHWM = 100_000
+_MONITORED = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_HANDSHAKE_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key refused",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol or security mechanism mismatch",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+}
 
 
 def _bindable(listen: str) -> str:
     """ZeroMQ spells "any free port" as ``*``; accept the conventional port 0 too."""
     return re.sub(r"^(tcp://.+):0$", r"\1:*", listen)
+
+
+def _nbytes(frame: Any) -> int:
+    n = getattr(frame, "nbytes", None)
+    return len(frame) if n is None else n
 
 
 class Aggregator:
@@ -35,7 +70,21 @@ class Aggregator:
         listen: ZeroMQ endpoint to bind, e.g. ``tcp://0.0.0.0:5555``; port 0 picks a free port.
         timeout: seconds after an op's first message at which it is failed on all its
             workers; None waits forever.
-        context: ZeroMQ context to use; a private one by default.
+        context: ZeroMQ context to use; a private one by default (CURVE needs its
+            authenticator, one per context).
+        limits: caps on jobs, world size, ops in flight, bytes held and message size.
+        heartbeat: seconds between heartbeats on each connection; default
+            ``$OMNIREDUCE_HEARTBEAT``, else 1; 0 turns them off.
+        heartbeat_timeout: seconds without traffic after which a connection is
+            dropped and its worker counted as lost; default
+            ``$OMNIREDUCE_HEARTBEAT_TIMEOUT``, else 5.
+        curve_secret_key: the aggregator's ``.key_secret`` file; turns CURVE on.
+            Default ``$OMNIREDUCE_CURVE_SECRET_KEY``.
+        curve_client_keys: directory of the workers' ``.key`` files that may connect;
+            None accepts any key. Default ``$OMNIREDUCE_CURVE_CLIENT_KEYS``.
+        metrics_port: serve Prometheus metrics over HTTP on this port (0 picks a
+            free one); None serves none.
+        metrics_addr: address the metrics endpoint binds.
 
     Example::
 
@@ -46,30 +95,108 @@ class Aggregator:
     """
 
     def __init__(
-        self, listen: str = "tcp://127.0.0.1:0", timeout: float | None = None, context: zmq.Context | None = None
+        self,
+        listen: str = "tcp://127.0.0.1:0",
+        timeout: float | None = None,
+        context: zmq.Context | None = None,
+        *,
+        limits: Limits | None = None,
+        heartbeat: float | None = None,
+        heartbeat_timeout: float | None = None,
+        curve_secret_key: str | os.PathLike[str] | None = None,
+        curve_client_keys: str | os.PathLike[str] | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str = "127.0.0.1",
     ) -> None:
+        self.limits = limits or Limits()
+        heartbeat = config.resolve(heartbeat, config.OMNIREDUCE_HEARTBEAT, config.DEFAULT_HEARTBEAT, float)
+        heartbeat_timeout = config.resolve(
+            heartbeat_timeout, config.OMNIREDUCE_HEARTBEAT_TIMEOUT, config.DEFAULT_HEARTBEAT_TIMEOUT, float
+        )
+        secret = config.resolve_optional(curve_secret_key, config.OMNIREDUCE_CURVE_SECRET_KEY, str)
+        allowed = config.resolve_optional(curve_client_keys, config.OMNIREDUCE_CURVE_CLIENT_KEYS, str)
+        if heartbeat < 0 or heartbeat_timeout <= 0:
+            raise ConfigError("heartbeat must be >= 0 and heartbeat_timeout > 0")
+        if allowed is not None and secret is None:
+            raise ConfigError("curve_client_keys needs curve_secret_key (CURVE is off without a server key)")
+        self.heartbeat_timeout = heartbeat_timeout if heartbeat else None
         self._own_context = context is None
         self._ctx = context or zmq.Context()
-        self.engine = Engine(timeout=timeout)
+        self.engine = Engine(timeout=timeout, limits=self.limits)
+        self.counters = self.engine.counters
+        self._auth = None
+        self._metrics: Any = None
         self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.SNDHWM, _HWM)
-        self._sock.setsockopt(zmq.RCVHWM, _HWM)
         try:
+            self._configure(heartbeat, heartbeat_timeout, secret, allowed)
             self._sock.bind(_bindable(listen))
-        except zmq.ZMQError as e:
-            self._sock.close()
-            if self._own_context:
-                self._ctx.term()
+        except (zmq.ZMQError, ConfigError) as e:
+            self._teardown()
+            if isinstance(e, ConfigError):
+                raise
             raise OSError(f"cannot listen on {listen!r}: {e}") from e
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.curve = secret is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
         self._serving = False
-        self.send_errors = 0
-        logger.info("omnireduce aggregator listening on %s", self.address)
+        # Connection bookkeeping for the monitor (see the module docstring).
+        self._accepts: dict[int, int] = {}
+        self._conn_peer: dict[tuple[int, int], bytes] = {}
+        self._peer_conn: dict[bytes, tuple[int, int] | None] = {}
+        self._departed: list[tuple[float, bytes, str]] = []
+        self._log = RateLimitedLog(logger)
+        self.metrics_address: str | None = None
+        if metrics_port is not None:
+            from aggregator.metrics import serve_metrics  # prometheus-client only when asked for
+
+            try:
+                self._metrics = serve_metrics(self, metrics_port, metrics_addr)
+            except OSError:
+                self._teardown()
+                raise
+            host, port = self._metrics.server_address[:2]
+            self.metrics_address = f"http://{host}:{port}/metrics"
+            logger.info("metrics on %s", self.metrics_address)
+        logger.info("omnireduce aggregator listening on %s%s", self.address, " (CURVE)" if self.curve else "")
+
+    def _configure(self, heartbeat: float, heartbeat_timeout: float, secret: str | None, allowed: str | None) -> None:
+        s = self._sock
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.SNDHWM, _SNDHWM)
+        # Inbound queues apply back-pressure (nothing is dropped), so this bounds memory safely.
+        s.setsockopt(zmq.RCVHWM, self.limits.max_queued_messages)
+        s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
+        if heartbeat:
+            s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat * 1000)))
+            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeat_timeout * 1000)))
+            # Tells each worker to drop the connection too if the aggregator goes silent.
+            s.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_000, max(100, int(heartbeat_timeout * 1000))))
+        if secret is not None:
+            self._auth = auth.start_authenticator(self._ctx, allowed)
+            auth.configure_server(s, secret)
+        self._mon = s.get_monitor_socket(_MONITORED)
+
+    def _teardown(self) -> None:
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
+            self._metrics = None
+        mon = getattr(self, "_mon", None)
+        if mon is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            mon.close()
+        self._sock.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_context:
+            self._ctx.term()
 
     def start(self) -> Aggregator:
         """Serves in a background thread; returns self."""
@@ -91,10 +218,17 @@ class Aggregator:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        elif not self._serving:
-            self._sock.close()
-        # With serve_forever in another thread, that thread closes the socket and
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics.server_close()
+            self._metrics = None
+        if not self._serving or self._thread is not None:
+            self._close_sockets()
+        # With serve_forever in another thread, that thread closes the sockets and
         # term() waits for it.
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._own_context:
             self._ctx.term()
 
@@ -104,34 +238,128 @@ class Aggregator:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _send(self, peer: bytes, frames: list[Any]) -> None:
+    def _close_sockets(self) -> None:
+        if self._sock.closed:
+            return
         try:
-            self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            # A vanished peer (EHOSTUNREACH) or one that stopped reading (EAGAIN):
-            # the op will fail on its timeout; never stall the other jobs for it.
-            self.send_errors += 1
-            logger.warning("cannot send to peer %s: %s", peer.hex(), e)
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._mon.close()
+        self._sock.close()
+
+    # Everything below runs on the serving thread only.
+
+    def _send_all(self, out: list[Outgoing]) -> None:
+        gone: list[bytes] = []
+        for peer, frames in out:
+            try:
+                self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+                self.counters.bytes_out += sum(_nbytes(f) for f in frames)
+            except zmq.ZMQError as e:
+                self.counters.send_failures += 1
+                if e.errno == zmq.EHOSTUNREACH:
+                    # The routing id is gone: so is its connection.
+                    if peer not in gone:
+                        gone.append(peer)
+                else:
+                    # A peer that stopped reading (EAGAIN): its heartbeats or the op's
+                    # timeout deal with it; never stall the other jobs for it.
+                    self._log(logging.WARNING, "cannot send to connection %s: %s", peer.hex(), e)
+        for peer in gone:
+            self._lost(peer, "disconnected")
+
+    def _lost(self, peer: bytes, reason: str) -> None:
+        conn = self._peer_conn.pop(peer, None)
+        if conn is not None:
+            self._conn_peer.pop(conn, None)
+        self._send_all(self.engine.peer_gone(peer, reason))
+
+    def _track(self, peer: bytes, frame: zmq.Frame) -> None:
+        """Remembers the connection a new routing id arrived on."""
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError, ValueError) as e:  # deprecated in libzmq; may vanish
+            self._peer_conn[peer] = None
+            self._log(logging.WARNING, "cannot tell connections apart (%s): dead workers are noticed on send only", e)
+            return
+        # Events up to the acceptance of this connection were emitted before its first
+        # message could arrive: read them all so the connection count below is its own.
+        self._read_monitor()
+        conn = (fd, self._accepts.get(fd, 0))
+        old = self._conn_peer.get(conn)
+        if old is not None and old != peer:
+            self._lost(old, "disconnected")
+        self._conn_peer[conn] = peer
+        self._peer_conn[peer] = conn
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._mon.recv_multipart(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self._accepts[value] = self._accepts.get(value, 0) + 1
+            elif kind == zmq.EVENT_DISCONNECTED:
+                peer = self._conn_peer.pop((value, self._accepts.get(value, 0)), None)
+                if peer is not None:
+                    self._peer_conn.pop(peer, None)
+                    why = "disconnected"
+                    if self.heartbeat_timeout is not None:
+                        why += f" (connection closed, or no heartbeat for {self.heartbeat_timeout:g} s)"
+                    # Its last messages may still wait in the socket: see _settle.
+                    self._departed.append((time.monotonic(), peer, why))
+            elif kind in _HANDSHAKE_FAILED:
+                self.counters.error("handshake")
+                self._log(logging.WARNING, "refused a connection: %s (%s)", _HANDSHAKE_FAILED[kind], value)
+
+    def _settle(self, drained: bool) -> None:
+        """Declares closed connections gone, once their last messages (a BYE) have been read.
+
+        A connection's messages enter the socket before the monitor reports its end,
+        so once the socket has been read empty, every departure known is final.
+        """
+        if not self._departed:
+            return
+        now = time.monotonic()
+        ready = [d for d in self._departed if drained or now - d[0] > _DEPARTURE_GRACE_S]
+        if not ready:
+            return
+        self._departed = [d for d in self._departed if d not in ready]
+        for _, peer, why in ready:
+            self._send_all(self.engine.peer_gone(peer, why))
 
     def _serve(self) -> None:
         self._serving = True
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._mon, zmq.POLLIN)
+        counters = self.counters
         try:
             while not self._stop.is_set():
-                if poller.poll(_POLL_MS):
-                    for _ in range(_BATCH):
-                        try:
-                            frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        peer = frames[0].bytes
-                        for dest, out in self.engine.handle(peer, frames[1:]):
-                            self._send(dest, out)
-                for dest, out in self.engine.expire():
-                    self._send(dest, out)
+                events = dict(poller.poll(_POLL_MS))
+                if self._mon in events:
+                    self._read_monitor()
+                # Read even without POLLIN: a message may have come after the poll, before
+                # the monitor told of its connection's end.
+                drained = False
+                for _ in range(_BATCH):
+                    try:
+                        frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        drained = True
+                        break
+                    peer = frames[0].bytes
+                    if peer not in self._peer_conn:
+                        self._track(peer, frames[0])
+                    counters.bytes_in += sum(len(f) for f in frames) - len(peer)
+                    self._send_all(self.engine.handle(peer, frames[1:]))
+                self._settle(drained)
+                self._send_all(self.engine.expire())
         except Exception:
             logger.exception("aggregator loop died")
             raise
         finally:
-            self._sock.close()
+            self._close_sockets()

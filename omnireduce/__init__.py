@@ -7,12 +7,17 @@ protocol, the block layout and detection kernels, configuration and errors.
 from omnireduce.dtypes import DType
 from omnireduce.errors import (
     AggregatorError,
+    AuthError,
     ConfigError,
+    ConnectionLostError,
+    LimitError,
     MismatchError,
     OmniReduceError,
     OpError,
     OpTimeoutError,
+    PeerLostError,
     ProtocolError,
+    StaleGenerationError,
     WorkerClosedError,
 )
 from omnireduce.layout import Layout
@@ -29,6 +34,11 @@ __all__ = [
     "MismatchError",
     "OpTimeoutError",
     "AggregatorError",
+    "LimitError",
+    "StaleGenerationError",
+    "PeerLostError",
+    "ConnectionLostError",
+    "AuthError",
     "WorkerClosedError",
     "__version__",
 ]

@@ -2,7 +2,24 @@
 
 Precedence, highest first: an explicit argument, then the environment variable,
 then the default below. torchrun's ``RANK`` and ``WORLD_SIZE`` are read as-is so a
-worker launched by torchrun needs no extra configuration.
+worker launched by torchrun needs no extra configuration; its
+``TORCHELASTIC_RESTART_COUNT`` is the job's generation unless
+``OMNIREDUCE_GENERATION`` says otherwise, so a restarted job never mixes with
+the ops of the run it replaces.
+
+Security settings (all optional; see :mod:`omnireduce.auth` and ``omnireduce-keygen``):
+
+- ``OMNIREDUCE_TOKEN`` / ``Worker(token=)``: the job's shared secret; the job's
+  first worker fixes it and every other worker of the job must present it.
+- ``OMNIREDUCE_CURVE_SERVER_KEY`` / ``Worker(curve_server_key=)``: the aggregator's
+  public key, a ``.key`` file or its 40-character Z85 text; turns CURVE on.
+- ``OMNIREDUCE_CURVE_CLIENT_KEY`` / ``Worker(curve_client_key=)``: the worker's own
+  ``.key_secret`` file; without it the worker uses a throwaway key pair.
+- ``OMNIREDUCE_CURVE_SECRET_KEY`` / ``Aggregator(curve_secret_key=)``: the
+  aggregator's ``.key_secret`` file; turns CURVE on.
+- ``OMNIREDUCE_CURVE_CLIENT_KEYS`` / ``Aggregator(curve_client_keys=)``: directory
+  of the workers' ``.key`` files that may connect; unset, any key may (encryption
+  without client authentication; job tokens still separate the jobs).
 """
 
 from __future__ import annotations
@@ -20,6 +37,15 @@ __all__ = [
     "OMNIREDUCE_MESSAGE_BLOCKS",
     "OMNIREDUCE_STREAMS",
     "OMNIREDUCE_TIMEOUT",
+    "OMNIREDUCE_TOKEN",
+    "OMNIREDUCE_GENERATION",
+    "OMNIREDUCE_HEARTBEAT",
+    "OMNIREDUCE_HEARTBEAT_TIMEOUT",
+    "OMNIREDUCE_CURVE_SERVER_KEY",
+    "OMNIREDUCE_CURVE_CLIENT_KEY",
+    "OMNIREDUCE_CURVE_SECRET_KEY",
+    "OMNIREDUCE_CURVE_CLIENT_KEYS",
+    "TORCHELASTIC_RESTART_COUNT",
     "RANK",
     "WORLD_SIZE",
     "DEFAULT_BLOCK_SIZE",
@@ -27,7 +53,11 @@ __all__ = [
     "DEFAULT_STREAMS",
     "DEFAULT_TIMEOUT",
     "DEFAULT_JOB",
+    "DEFAULT_HEARTBEAT",
+    "DEFAULT_HEARTBEAT_TIMEOUT",
     "resolve",
+    "resolve_optional",
+    "resolve_generation",
 ]
 
 #: Aggregator address a worker connects to, e.g. ``tcp://198.18.0.2:5555``.
@@ -42,6 +72,24 @@ OMNIREDUCE_MESSAGE_BLOCKS = "OMNIREDUCE_MESSAGE_BLOCKS"
 OMNIREDUCE_STREAMS = "OMNIREDUCE_STREAMS"
 #: Seconds a worker waits for the aggregator before failing an op.
 OMNIREDUCE_TIMEOUT = "OMNIREDUCE_TIMEOUT"
+#: The job's token: a shared secret that keeps other tenants out of the job's sums.
+OMNIREDUCE_TOKEN = "OMNIREDUCE_TOKEN"
+#: The job's generation; raise it when the job's workers restart (torchelastic does).
+OMNIREDUCE_GENERATION = "OMNIREDUCE_GENERATION"
+#: Seconds between ZeroMQ heartbeats on a connection; 0 turns them off.
+OMNIREDUCE_HEARTBEAT = "OMNIREDUCE_HEARTBEAT"
+#: Seconds without any traffic after which a connection is dropped as dead.
+OMNIREDUCE_HEARTBEAT_TIMEOUT = "OMNIREDUCE_HEARTBEAT_TIMEOUT"
+#: Worker: the aggregator's CURVE public key (``.key`` file or Z85 text).
+OMNIREDUCE_CURVE_SERVER_KEY = "OMNIREDUCE_CURVE_SERVER_KEY"
+#: Worker: its own CURVE key pair (a ``.key_secret`` file).
+OMNIREDUCE_CURVE_CLIENT_KEY = "OMNIREDUCE_CURVE_CLIENT_KEY"
+#: Aggregator: its CURVE key pair (a ``.key_secret`` file); turns CURVE on.
+OMNIREDUCE_CURVE_SECRET_KEY = "OMNIREDUCE_CURVE_SECRET_KEY"
+#: Aggregator: directory of the workers' public keys it accepts; unset accepts any key.
+OMNIREDUCE_CURVE_CLIENT_KEYS = "OMNIREDUCE_CURVE_CLIENT_KEYS"
+#: torchelastic's count of restarts of the job: the default generation.
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 #: torchrun's names for the worker's rank and the number of workers.
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
@@ -51,6 +99,8 @@ DEFAULT_MESSAGE_BLOCKS = 256
 DEFAULT_STREAMS = 4
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_JOB = "default"
+DEFAULT_HEARTBEAT = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 
 T = TypeVar("T")
 
@@ -83,3 +133,30 @@ def resolve(
     if default is None:
         raise ConfigError(f"no value given and environment variable {env} is not set")
     return default
+
+
+def resolve_optional(value: T | None, env: str, parse: Callable[[str], T]) -> T | None:
+    """Like :func:`resolve` for a setting that may stay unset: returns None then.
+
+    Raises:
+        ConfigError: the variable does not parse.
+    """
+    if value is not None:
+        return value
+    text = os.environ.get(env)
+    if text is None or text.strip() == "":
+        return None
+    return resolve(None, env, None, parse)
+
+
+def resolve_generation(value: int | None) -> int:
+    """The job's generation: explicit, else ``$OMNIREDUCE_GENERATION``, else torchelastic's restart count, else 0.
+
+    Raises:
+        ConfigError: a variable does not parse, or the generation is negative.
+    """
+    fallback = resolve(None, TORCHELASTIC_RESTART_COUNT, 0, int)
+    generation = resolve(value, OMNIREDUCE_GENERATION, fallback, int)
+    if type(generation) is not int or generation < 0:
+        raise ConfigError(f"generation must be a non-negative integer, got {generation!r}")
+    return generation

@@ -17,6 +17,11 @@ __all__ = [
     "MismatchError",
     "OpTimeoutError",
     "AggregatorError",
+    "LimitError",
+    "StaleGenerationError",
+    "PeerLostError",
+    "ConnectionLostError",
+    "AuthError",
     "WorkerClosedError",
 ]
 
@@ -75,6 +80,29 @@ class OpTimeoutError(OpError, TimeoutError):
 
 class AggregatorError(OpError):
     """The aggregator reported an error for an op or a job."""
+
+
+class LimitError(AggregatorError):
+    """The aggregator refused work beyond one of its limits (jobs, ops in flight, bytes held, sizes)."""
+
+
+class StaleGenerationError(AggregatorError):
+    """The job was restarted with a newer generation; this worker's ops belong to an older one."""
+
+
+class PeerLostError(OpError, ConnectionError):
+    """Another worker of the job disconnected or stopped answering; ``ranks`` names it.
+
+    The op cannot complete: restart the job (a new generation) from a checkpoint.
+    """
+
+
+class ConnectionLostError(OpError, ConnectionError):
+    """This worker lost its connection to the aggregator while the op was in flight."""
+
+
+class AuthError(OpError, PermissionError):
+    """The aggregator refused this worker: wrong job token or CURVE key, or no key where one is required."""
 
 
 class WorkerClosedError(OmniReduceError):

@@ -6,7 +6,11 @@ raw frames of block indices (int64) and block payloads (the op's element type),
 sent and received without copies. The aggregator's ROUTER socket prepends the
 peer's routing id, which is not part of what this module encodes.
 
-Messages, per op (job id + op number) and stream::
+A worker's connection first says who it is (HELLO: job, rank, world size,
+generation, job token); the aggregator binds the connection to that rank of that
+job and answers only if it refuses (ERROR); BYE says it leaves on purpose (a
+connection that closes without it counts as lost). Then, per op (job id + op
+number) and stream::
 
     worker                                   aggregator
       START   (first nonzero block of every column)  ->   round 0: pointers only
@@ -37,6 +41,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "MsgType",
     "ErrorCode",
+    "Hello",
+    "Bye",
     "Start",
     "Blocks",
     "Result",
@@ -48,15 +54,25 @@ __all__ = [
     "index_array",
     "INDEX_DTYPE",
     "MAX_HEADER_BYTES",
+    "MAX_ERROR_HEADER_BYTES",
+    "MAX_NAME",
+    "MAX_WORLD_SIZE",
 ]
 
 assert sys.byteorder == "little", "omnireduce's wire format assumes a little-endian host"
 
-PROTOCOL_VERSION = 1
+#: 2: HELLO, job tokens and generations, more error codes.
+PROTOCOL_VERSION = 2
 INDEX_DTYPE = np.dtype(np.int64)
-#: A header is a few dozen bytes; anything far larger is hostile or corrupt.
+#: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
 MAX_HEADER_BYTES = 4096
-_MAX_STR = 256
+#: An ERROR may name thousands of ranks; only workers decode it, with this limit.
+MAX_ERROR_HEADER_BYTES = 1 << 17
+#: Longest job id or job token, in characters.
+MAX_NAME = 256
+#: No job can have more workers than this, whatever the aggregator allows.
+MAX_WORLD_SIZE = 1 << 16
+_MAX_MESSAGE = 4096
 
 
 class MsgType(IntEnum):
@@ -66,6 +82,8 @@ class MsgType(IntEnum):
     BLOCKS = 2
     RESULT = 3
     ERROR = 4
+    HELLO = 5
+    BYE = 6
 
 
 class ErrorCode(IntEnum):
@@ -76,6 +94,31 @@ class ErrorCode(IntEnum):
     TIMEOUT = 3
     UNKNOWN_OP = 4
     INTERNAL = 5
+    #: Wrong job token, or a connection that is not bound to the job.
+    AUTH = 6
+    #: Beyond a limit of the aggregator: jobs, ops in flight, bytes held, world or message size.
+    LIMIT = 7
+    #: A worker of the job disconnected or stopped answering heartbeats.
+    PEER_LOST = 8
+    #: The job was restarted with a newer generation.
+    STALE = 9
+
+
+@dataclass(slots=True)
+class Hello:
+    """The first message of a worker's connection: binds it to one rank of one job.
+
+    The job's first HELLO (or first START, for a job without a token) fixes the job's
+    token and world size; a HELLO with a newer generation restarts the job, failing
+    the ops of the older one. No frames; the aggregator answers only with an ERROR.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    job: str
+    rank: int
+    world_size: int
+    generation: int
+    token: str
 
 
 @dataclass(slots=True)
@@ -141,8 +184,17 @@ class Error:
     ranks: list[int]
 
 
-Message = Union[Start, Blocks, Result, Error]
-_CLASSES: dict[int, type] = {c.TYPE: c for c in (Start, Blocks, Result, Error)}
+@dataclass(slots=True)
+class Bye:
+    """A worker closing on purpose: its rank leaves the job without counting as lost. No frames."""
+
+    TYPE: ClassVar[MsgType] = MsgType.BYE
+    job: str
+    rank: int
+
+
+Message = Union[Hello, Bye, Start, Blocks, Result, Error]
+_CLASSES: dict[int, type] = {c.TYPE: c for c in (Hello, Bye, Start, Blocks, Result, Error)}
 _FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {
     c: tuple((f.name, f.type) for f in fields(c)) for c in _CLASSES.values()
 }
@@ -184,14 +236,29 @@ def _check_int(name: str, v: Any, optional: bool = False) -> None:
     if v is None and optional:
         return
     if type(v) is not int or v < 0 or v >= 1 << 62:
-        raise ProtocolError(f"header field {name!r} must be a non-negative integer, got {v!r}")
+        raise ProtocolError(f"header field {name!r} must be a non-negative integer, got {_short(v)}")
 
 
-def decode(frames: list[Any]) -> tuple[Message, list[Any]]:
+def _check_str(name: str, v: Any, limit: int, empty: bool) -> None:
+    if not isinstance(v, str) or len(v) > limit or (not v and not empty):
+        raise ProtocolError(
+            f"header field {name!r} must be a {'' if empty else 'non-empty '}string of at most {limit} characters,"
+            f" got {_short(v)}"
+        )
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple[Message, list[Any]]:
     """Decodes and checks the header of a message.
 
     Args:
         frames: the message's frames, header first (without any routing id).
+        max_header_bytes: larger headers are refused before they are parsed; workers
+            pass :data:`MAX_ERROR_HEADER_BYTES` for the aggregator's errors.
 
     Returns:
         The message and the frames after the header, untouched.
@@ -203,12 +270,12 @@ def decode(frames: list[Any]) -> tuple[Message, list[Any]]:
     if not frames:
         raise ProtocolError("empty message")
     raw = buffer_of(frames[0])
-    if raw.nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {raw.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
+    if raw.nbytes > max_header_bytes:
+        raise ProtocolError(f"header of {raw.nbytes} bytes exceeds {max_header_bytes}")
     try:
         header = msgpack.unpackb(
-            raw, raw=False, strict_map_key=True, max_str_len=_MAX_STR, max_bin_len=0,
-            max_array_len=_MAX_STR, max_map_len=32, max_ext_len=0,
+            raw, raw=False, strict_map_key=True, max_str_len=_MAX_MESSAGE, max_bin_len=0,
+            max_array_len=MAX_WORLD_SIZE, max_map_len=32, max_ext_len=0,
         )
     except Exception as e:  # msgpack raises several unrelated types for garbage
         raise ProtocolError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
@@ -216,32 +283,37 @@ def decode(frames: list[Any]) -> tuple[Message, list[Any]]:
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
     version = header.pop("v", None)
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {version!r} is not supported (expected {PROTOCOL_VERSION})")
+        raise ProtocolError(f"protocol version {_short(version)} is not supported (expected {PROTOCOL_VERSION})")
     kind = header.pop("t", None)
     cls = _CLASSES.get(kind) if type(kind) is int else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {kind!r}")
+        raise ProtocolError(f"unknown message type {_short(kind)}")
     names = [name for name, _ in _FIELDS[cls]]
     if set(header) != set(names):
         missing = sorted(set(names) - set(header))
         extra = sorted(map(str, set(header) - set(names)))
-        raise ProtocolError(f"{cls.__name__} header: missing fields {missing}, unexpected fields {extra}")
-    job = header["job"]
-    if not isinstance(job, str) or not job:
-        raise ProtocolError(f"header field 'job' must be a non-empty string, got {job!r}")
+        raise ProtocolError(f"{cls.__name__} header: missing fields {missing}, unexpected fields {_short(extra)}")
+    _check_str("job", header["job"], MAX_NAME, empty=False)
     for name in names:
-        if name in ("job", "message", "ranks"):
+        if name in ("job", "message", "ranks", "token"):
             continue
         _check_int(name, header[name], optional=(cls is Error and name == "op"))
-    if cls is Start:
-        if header["dtype"] not in _DTYPES:
-            raise ProtocolError(f"unknown dtype code {header['dtype']!r}")
-        if header["world_size"] < 1 or header["rank"] >= header["world_size"]:
+    if cls is Hello:
+        _check_str("token", header["token"], MAX_NAME, empty=True)
+    if cls is Start and header["dtype"] not in _DTYPES:
+        raise ProtocolError(f"unknown dtype code {_short(header['dtype'])}")
+    if cls in (Start, Hello):
+        if not 1 <= header["world_size"] <= MAX_WORLD_SIZE or header["rank"] >= header["world_size"]:
             raise ProtocolError(f"rank {header['rank']} is not in a world of size {header['world_size']}")
+    if cls is Start:
         for name in ("block_size", "message_blocks", "streams"):
             if header[name] < 1:
                 raise ProtocolError(f"header field {name!r} must be positive")
     if cls is Error:
         if not isinstance(header["message"], str) or not isinstance(header["ranks"], list):
             raise ProtocolError("ERROR header has an ill-typed message or ranks")
+        if not all(type(r) is int and 0 <= r < MAX_WORLD_SIZE for r in header["ranks"]):
+            raise ProtocolError("ERROR header names ranks that are not ranks")
+        if type(header["code"]) is not int or header["code"] < 1:
+            raise ProtocolError(f"ERROR header has a bad code {header['code']!r}")
     return cls(**header), list(frames[1:])

@@ -3,12 +3,21 @@
 A :class:`Worker` owns one DEALER socket, used only by its communication thread.
 Callers submit ops through a queue and an inproc wake-up socket, so several ops
 (DDP buckets) are in flight at once while the caller keeps computing.
+
+The thread watches the socket's connection through its monitor: on every new
+connection it first sends HELLO (job, rank, generation, token), and only then the
+messages waiting for it; a lost connection fails the ops in flight at once
+(their state died with the connection) and ZeroMQ reconnects for the next ones.
+The socket queues messages only on a live connection (``zmq.IMMEDIATE``), so
+nothing of a dead connection reaches the next one ahead of its HELLO.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -18,23 +27,40 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
-from omnireduce import config
+from omnireduce import auth, config
 from omnireduce.errors import (
     AggregatorError,
+    AuthError,
     ConfigError,
+    ConnectionLostError,
+    LimitError,
     MismatchError,
     OmniReduceError,
     OpError,
     OpTimeoutError,
+    PeerLostError,
     ProtocolError,
+    StaleGenerationError,
     WorkerClosedError,
 )
 from omnireduce.layout import Layout
-from omnireduce.protocol import Error, ErrorCode, Result, decode
+from omnireduce.protocol import (
+    MAX_ERROR_HEADER_BYTES,
+    MAX_NAME,
+    Bye,
+    Error,
+    ErrorCode,
+    Hello,
+    Result,
+    decode,
+    encode,
+)
 from worker.op import WorkerOp
 from worker.stats import Stats
-from worker.tensors import to_flat
+from worker.cuda import CudaOpData, is_cuda_tensor
+from worker.tensors import shares_memory, to_flat
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +69,40 @@ __all__ = ["Worker"]
 _ERRORS: dict[int, type[OpError]] = {
     ErrorCode.MISMATCH: MismatchError,
     ErrorCode.TIMEOUT: OpTimeoutError,
+    ErrorCode.AUTH: AuthError,
+    ErrorCode.LIMIT: LimitError,
+    ErrorCode.PEER_LOST: PeerLostError,
+    ErrorCode.STALE: StaleGenerationError,
+}
+# Errors answering HELLO: this connection may not take part in the job at all.
+_REFUSALS = frozenset({ErrorCode.AUTH, ErrorCode.LIMIT, ErrorCode.MISMATCH, ErrorCode.STALE})
+_MONITORED = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_HANDSHAKE_FAILED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "it refused this worker's CURVE key",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol or security mechanism mismatch: is CURVE on at one end only?",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed: is the aggregator's public key right?",
 }
 _wake_ids = itertools.count()
+# How long closing waits for BYE to leave, so the aggregator does not count the rank as lost.
+_BYE_LINGER_MS = 500
 
 
 @dataclass(slots=True)
 class _Submission:
     op: int
-    flat: np.ndarray
+    flat: np.ndarray | None
     dtype: Any
     restore: Any
     future: Future
+    length: int
+    inplace: bool = False
+    data: CudaOpData | None = None
 
 
 @dataclass(slots=True)
@@ -80,6 +129,17 @@ class Worker:
         timeout: seconds an op may go without hearing from the aggregator;
             default ``$OMNIREDUCE_TIMEOUT``, else 60.
         context: ZeroMQ context; a private one by default.
+        token: the job's shared secret (the job's first worker fixes it); default
+            ``$OMNIREDUCE_TOKEN``, else none.
+        generation: the job's generation: raise it when the job's workers restart;
+            default ``$OMNIREDUCE_GENERATION``, else ``$TORCHELASTIC_RESTART_COUNT``, else 0.
+        heartbeat: seconds between heartbeats; default ``$OMNIREDUCE_HEARTBEAT``, else 1; 0: off.
+        heartbeat_timeout: seconds of silence after which the connection counts as
+            lost; default ``$OMNIREDUCE_HEARTBEAT_TIMEOUT``, else 5.
+        curve_server_key: the aggregator's CURVE public key (``.key`` file or Z85
+            text); turns CURVE on. Default ``$OMNIREDUCE_CURVE_SERVER_KEY``.
+        curve_client_key: this worker's ``.key_secret`` file; default
+            ``$OMNIREDUCE_CURVE_CLIENT_KEY``, else a throwaway key pair.
 
     Example::
 
@@ -98,6 +158,13 @@ class Worker:
         streams: int | None = None,
         timeout: float | None = None,
         context: zmq.Context | None = None,
+        *,
+        token: str | None = None,
+        generation: int | None = None,
+        heartbeat: float | None = None,
+        heartbeat_timeout: float | None = None,
+        curve_server_key: str | os.PathLike[str] | None = None,
+        curve_client_key: str | os.PathLike[str] | None = None,
     ) -> None:
         self.address = config.resolve(address, config.OMNIREDUCE_ADDRESS, None, str)
         self.rank = config.resolve(rank, config.RANK, None, int)
@@ -109,23 +176,53 @@ class Worker:
         )
         self.streams = config.resolve(streams, config.OMNIREDUCE_STREAMS, config.DEFAULT_STREAMS, int)
         self.timeout = config.resolve(timeout, config.OMNIREDUCE_TIMEOUT, config.DEFAULT_TIMEOUT, float)
+        token = config.resolve(token, config.OMNIREDUCE_TOKEN, "", str)
+        self.generation = config.resolve_generation(generation)
+        heartbeat = config.resolve(heartbeat, config.OMNIREDUCE_HEARTBEAT, config.DEFAULT_HEARTBEAT, float)
+        heartbeat_timeout = config.resolve(
+            heartbeat_timeout, config.OMNIREDUCE_HEARTBEAT_TIMEOUT, config.DEFAULT_HEARTBEAT_TIMEOUT, float
+        )
+        server_key = config.resolve_optional(curve_server_key, config.OMNIREDUCE_CURVE_SERVER_KEY, str)
+        client_key = config.resolve_optional(curve_client_key, config.OMNIREDUCE_CURVE_CLIENT_KEY, str)
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is not in a world of size {self.world_size}")
         if not self.job or len(self.job) > 200:
             raise ConfigError(f"job id must be 1 to 200 characters, got {self.job!r}")
+        if len(token) > MAX_NAME:
+            raise ConfigError(f"token must be at most {MAX_NAME} characters")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, got {self.timeout}")
+        if heartbeat < 0 or heartbeat_timeout <= 0:
+            raise ConfigError("heartbeat must be >= 0 and heartbeat_timeout > 0")
+        if client_key is not None and server_key is None:
+            raise ConfigError("curve_client_key needs curve_server_key (the aggregator's public key)")
         Layout(0, self.block_size, self.message_blocks, self.streams)  # validates the three
+        self.curve = server_key is not None
+        self._hello = encode(Hello(self.job, self.rank, self.world_size, self.generation, token))
 
         self.stats = Stats()
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Queue only on a live connection: a dead one's messages must not reach the next.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        if heartbeat:
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat * 1000)))
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeat_timeout * 1000)))
+        self._mon = self._sock.get_monitor_socket(_MONITORED)
         try:
+            if server_key is not None:
+                auth.configure_client(self._sock, server_key, client_key)
             self._sock.connect(self.address)
-        except zmq.ZMQError as e:
+        except (zmq.ZMQError, ConfigError) as e:
+            self._sock.disable_monitor()
+            self._mon.close()
             self._sock.close()
+            if self._own_context:
+                self._ctx.term()
+            if isinstance(e, ConfigError):
+                raise
             raise ConfigError(f"cannot connect to aggregator address {self.address!r}: {e}") from None
         wake = f"inproc://omnireduce-worker-wake-{id(self)}-{next(_wake_ids)}"
         self._wake_recv = self._ctx.socket(zmq.PAIR)
@@ -147,35 +244,56 @@ class Worker:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def allreduce_async(self, x: Any) -> Future:
+    def allreduce_async(self, x: Any, inplace: bool = False) -> Future:
         """Starts a sum over all workers of the job; returns a future of the result.
 
         Ops are numbered in call order, so every worker must call in the same order.
         ``x`` is read until the future completes: do not modify it before then.
 
         Args:
-            x: a NumPy array or CPU torch tensor, any shape, float32/64, float16 or bfloat16.
+            x: a NumPy array, a torch tensor (CPU or CUDA) or a CUDA array (numba,
+                ``__cuda_array_interface__``), any shape, float32/64, float16 or bfloat16.
+                Of a CUDA tensor only the nonzero blocks are copied to the host.
+            inplace: write the sum into ``x`` itself and return ``x`` (CPU tensors only);
+                saves allocating and zeroing the result.
 
         Returns:
             A future of an array or tensor of ``x``'s type, shape and dtype.
+
+        Raises:
+            ConfigError: ``x`` is not supported, or ``inplace`` is asked of a tensor
+                that is not contiguous, writeable host memory.
         """
-        flat, dtype, restore = to_flat(x)
+        data: CudaOpData | None = None
+        if is_cuda_tensor(x):
+            if inplace:
+                raise ConfigError("an in-place allreduce of a CUDA tensor is not supported")
+            data = CudaOpData(x, self.block_size)
+            flat, dtype, length = None, data.dtype, data.length
+            restore: Any = lambda _out: data.finish()  # noqa: E731
+        else:
+            flat, dtype, restore = to_flat(x)
+            length = len(flat)
+            if inplace and not shares_memory(x, flat):
+                raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
+            if inplace:
+                restore = lambda _out: x  # noqa: E731
         fut: Future = Future()
         with self._submit_lock:
             if self._closed or self._dead is not None:
                 raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed") from self._dead
             op = next(self._op_counter)
-            self._submissions.put(_Submission(op, flat, dtype, restore, fut))
+            self._submissions.put(_Submission(op, flat, dtype, restore, fut, length, inplace, data))
         self._wake()
         return fut
 
-    def allreduce(self, x: Any) -> Any:
+    def allreduce(self, x: Any, inplace: bool = False) -> Any:
         """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
 
         Raises:
             OmniReduceError: the op failed (mismatch, timeout, aggregator error, closed worker).
         """
-        return self.allreduce_async(x).result()
+        return self.allreduce_async(x, inplace=inplace).result()
 
     def close(self) -> None:
         """Stops the communication thread; pending ops fail with WorkerClosedError."""
@@ -201,20 +319,31 @@ class Worker:
 
     def _run(self) -> None:
         pending: dict[int, _Pending] = {}
+        # Messages waiting for a live connection, oldest first: (op or None for HELLO, frames).
+        self._outbox: collections.deque[tuple[int | None, list[Any]]] = collections.deque()
+        self._connected = False
+        # Set when the aggregator refused this connection's HELLO: new ops fail with it.
+        self._refused: OpError | None = None
+        self._handshake_failures = 0
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_recv, zmq.POLLIN)
+        poller.register(self._mon, zmq.POLLIN)
         stopping = False
         try:
             while not stopping:
-                wait_ms = self._wait_ms(pending)
-                events = dict(poller.poll(wait_ms))
+                writable = self._connected and bool(self._outbox)
+                poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if writable else 0))
+                events = dict(poller.poll(self._wait_ms(pending)))
+                if self._mon in events:
+                    self._on_monitor(pending)
                 if self._wake_recv in events:
                     while self._wake_recv.poll(0):
                         self._wake_recv.recv()
                     stopping = self._take_submissions(pending)
                 if self._sock in events:
                     self._receive(pending)
+                self._flush()
                 self._expire(pending)
         except Exception as e:
             logger.exception("worker rank %d of job %r: communication thread died", self.rank, self.job)
@@ -224,10 +353,26 @@ class Worker:
             self._drain_submissions(WorkerClosedError(f"communication thread died: {e!r}"))
         finally:
             for p in pending.values():
-                _fail(p.future, WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} closed with op {p.state.op} pending"))
+                _fail(p.future, WorkerClosedError(
+                    f"worker rank {self.rank} of job {self.job!r} closed with op {p.state.op} pending"
+                ))
             self._drain_submissions(WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed"))
+            if stopping and self._connected:
+                self._say_bye()
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._mon.close()
             self._sock.close()
             self._wake_recv.close()
+
+    def _say_bye(self) -> None:
+        try:
+            self._sock.send_multipart(encode(Bye(self.job, self.rank)), flags=zmq.NOBLOCK)
+            self._sock.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
+        except zmq.ZMQError as e:
+            logger.debug("worker rank %d of job %r: no BYE sent: %s", self.rank, self.job, e)
 
     def _drain_submissions(self, error: BaseException) -> None:
         while True:
@@ -244,6 +389,71 @@ class Worker:
         deadline = min(p.last_heard for p in pending.values()) + self.timeout
         return max(0, int((deadline - time.monotonic()) * 1000) + 1)
 
+    def _post(self, op: int | None, frames: list[Any]) -> None:
+        """Sends now if the connection is up and has room, else queues in order."""
+        if self._connected and not self._outbox:
+            try:
+                self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+        self._outbox.append((op, frames))
+
+    def _flush(self) -> None:
+        while self._connected and self._outbox:
+            try:
+                self._sock.send_multipart(self._outbox[0][1], copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outbox.popleft()
+
+    def _drop(self, pending: dict[int, _Pending], op: int, error: BaseException) -> None:
+        """Fails a pending op and forgets its queued messages."""
+        p = pending.pop(op, None)
+        if p is not None:
+            _fail(p.future, error)
+        if any(o == op for o, _ in self._outbox):
+            self._outbox = collections.deque(item for item in self._outbox if item[0] != op)
+
+    def _on_monitor(self, pending: dict[int, _Pending]) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._mon.recv_multipart(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                logger.info("worker rank %d of job %r: connected to %s", self.rank, self.job, self.address)
+                self._connected = True
+                self._refused = None
+                self._handshake_failures = 0
+                # Every connection starts with HELLO, ahead of anything queued.
+                self._outbox.appendleft((None, self._hello))
+            elif kind == zmq.EVENT_DISCONNECTED:
+                was, self._connected = self._connected, False
+                # HELLO and messages of the lost ops must not go out on the next connection.
+                self._outbox = collections.deque(item for item in self._outbox if item[0] is not None)
+                if was:
+                    logger.warning(
+                        "worker rank %d of job %r: lost the connection to %s; failing ops %s",
+                        self.rank, self.job, self.address, sorted(pending),
+                    )
+                    for op in list(pending):
+                        self._drop(pending, op, ConnectionLostError(
+                            f"lost the connection to the aggregator at {self.address}; the op's state is gone "
+                            "(ZeroMQ reconnects for new ops)", job=self.job, op=op,
+                        ))
+            elif kind in _HANDSHAKE_FAILED:
+                self._connected = False
+                self._handshake_failures += 1
+                why = f"the aggregator at {self.address} refused the connection: {_HANDSHAKE_FAILED[kind]}"
+                if self._handshake_failures == 1:
+                    logger.error("worker rank %d of job %r: %s", self.rank, self.job, why)
+                # New ops fail at once too, until a handshake succeeds (ZeroMQ may not retry).
+                self._refused = AuthError(why, job=self.job)
+                for op in list(pending):
+                    self._drop(pending, op, AuthError(why, job=self.job, op=op))
+
     def _take_submissions(self, pending: dict[int, _Pending]) -> bool:
         while True:
             try:
@@ -254,16 +464,23 @@ class Worker:
                 return True
             if not sub.future.set_running_or_notify_cancel():
                 continue
+            if self._refused is not None:
+                r = self._refused
+                sub.future.set_exception(type(r)(r.reason, job=self.job, op=sub.op, ranks=r.ranks))
+                continue
             now = time.monotonic()
             try:
-                layout = Layout(len(sub.flat), self.block_size, self.message_blocks, self.streams)
-                state = WorkerOp(self.job, self.rank, self.world_size, sub.op, sub.flat, sub.dtype, layout)
+                layout = Layout(sub.length, self.block_size, self.message_blocks, self.streams)
+                state = WorkerOp(
+                    self.job, self.rank, self.world_size, sub.op, sub.flat, sub.dtype, layout,
+                    inplace=sub.inplace, data=sub.data,
+                )
                 frames = state.start()
             except OmniReduceError as e:
                 sub.future.set_exception(e)
                 continue
             pending[sub.op] = _Pending(state, sub.restore, sub.future, now, now)
-            self._sock.send_multipart(frames, copy=False)
+            self._post(sub.op, frames)
 
     def _receive(self, pending: dict[int, _Pending]) -> None:
         while True:
@@ -272,60 +489,81 @@ class Worker:
             except zmq.Again:
                 return
             try:
-                msg, data = decode(frames)
+                msg, data = decode(frames, max_header_bytes=MAX_ERROR_HEADER_BYTES)
             except ProtocolError as e:
-                logger.error("worker rank %d: undecodable message from the aggregator: %s", self.rank, e)
+                logger.error(
+                    "worker rank %d of job %r: undecodable message from the aggregator: %s", self.rank, self.job, e
+                )
                 continue
             if msg.job != self.job and not (isinstance(msg, Error) and msg.job == "?"):
-                logger.warning("worker rank %d: message for job %r ignored", self.rank, msg.job)
+                logger.warning("worker rank %d of job %r: message for job %r ignored", self.rank, self.job, msg.job)
                 continue
             if isinstance(msg, Error):
                 self._on_error(msg, pending)
                 continue
             if not isinstance(msg, Result):
-                logger.warning("worker rank %d: unexpected %s from the aggregator", self.rank, msg.TYPE.name)
+                logger.warning(
+                    "worker rank %d of job %r: unexpected %s from the aggregator", self.rank, self.job, msg.TYPE.name
+                )
                 continue
             p = pending.get(msg.op)
             if p is None:
-                logger.debug("worker rank %d: result for op %d that is not pending", self.rank, msg.op)
+                logger.debug(
+                    "worker rank %d of job %r: result for op %d that is not pending", self.rank, self.job, msg.op
+                )
                 continue
             p.last_heard = time.monotonic()
             try:
                 reply = p.state.on_result(msg, data)
             except OmniReduceError as e:
-                del pending[msg.op]
-                _fail(p.future, e)
+                self._drop(pending, msg.op, e)
+                continue
+            except Exception as e:  # a malformed result must fail its op, not the thread
+                logger.exception("worker rank %d of job %r op %d: bad result from the aggregator", self.rank, self.job,
+                                 msg.op)
+                self._drop(pending, msg.op, ProtocolError(f"bad result from the aggregator for op {msg.op}: {e!r}"))
                 continue
             if reply is not None:
-                self._sock.send_multipart(reply, copy=False)
+                self._post(msg.op, reply)
             if p.state.done:
                 del pending[msg.op]
                 p.state.stats.seconds = time.monotonic() - p.started
                 self.stats.add(p.state.stats)
-                p.future.set_result(p.restore(p.state.out))
+                try:
+                    result = p.restore(p.state.out)
+                except Exception as e:  # e.g. a failed device copy: fail this op, not the thread
+                    logger.exception("worker rank %d of job %r op %d: result conversion failed", self.rank, self.job,
+                                     msg.op)
+                    p.future.set_exception(e if isinstance(e, OmniReduceError) else OpError(f"op {msg.op}: {e!r}"))
+                    continue
+                p.future.set_result(result)
 
     def _on_error(self, msg: Error, pending: dict[int, _Pending]) -> None:
         cls = _ERRORS.get(msg.code, AggregatorError)
-        targets = list(pending) if msg.op is None else [msg.op]
-        for op in targets:
-            p = pending.pop(op, None)
-            if p is not None:
-                _fail(p.future, cls(f"aggregator: {msg.message}", job=self.job, op=op, ranks=msg.ranks))
-        if msg.op is None or msg.op not in targets:
-            logger.error("worker rank %d: aggregator error: %s", self.rank, msg.message)
+        if msg.op is None:
+            logger.error("worker rank %d of job %r: the aggregator refused: %s", self.rank, self.job, msg.message)
+            if msg.code in _REFUSALS:
+                self._refused = cls(f"aggregator: {msg.message}", job=self.job, ranks=msg.ranks)
+            for op in list(pending):
+                self._drop(pending, op, cls(f"aggregator: {msg.message}", job=self.job, op=op, ranks=msg.ranks))
+            return
+        if msg.op in pending:
+            logger.warning(
+                "worker rank %d of job %r op %d: aggregator error: %s", self.rank, self.job, msg.op, msg.message
+            )
+            self._drop(pending, msg.op, cls(f"aggregator: {msg.message}", job=self.job, op=msg.op, ranks=msg.ranks))
+        else:
+            logger.debug("worker rank %d of job %r op %d (not pending): aggregator error: %s",
+                         self.rank, self.job, msg.op, msg.message)
 
     def _expire(self, pending: dict[int, _Pending]) -> None:
         now = time.monotonic()
         for op, p in list(pending.items()):
             if now - p.last_heard > self.timeout:
-                del pending[op]
-                _fail(
-                    p.future,
-                    OpTimeoutError(
-                        f"no answer from the aggregator at {self.address} for {self.timeout:g} s",
-                        job=self.job, op=op,
-                    ),
-                )
+                how = "" if self._connected else " (no connection to it)"
+                self._drop(pending, op, OpTimeoutError(
+                    f"no answer from the aggregator at {self.address} for {self.timeout:g} s{how}", job=self.job, op=op,
+                ))
 
 
 def _fail(fut: Future, error: BaseException) -> None:

@@ -9,20 +9,56 @@ own next block, sends that block with the pointer to the one after.
 from __future__ import annotations
 
 import logging
+import mmap
 from typing import Any
 
 import numpy as np
 
 from omnireduce import blocks
 from omnireduce.dtypes import DType
-from omnireduce.errors import ProtocolError
+from omnireduce.errors import ConfigError, ProtocolError
 from omnireduce.layout import INF, Layout
 from omnireduce.protocol import Blocks, Result, Start, buffer_of, encode, index_array
 from worker.stats import OpStats, frames_nbytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WorkerOp"]
+__all__ = ["WorkerOp", "lazy_zeros"]
+
+# From this size on, a sparse result is allocated as an anonymous mapping (see lazy_zeros).
+_LAZY_ZEROS_BYTES = 1 << 22
+# Above this expected fraction of 4 KiB pages written, huge pages are cheaper: a fault
+# costs about 3x more per 4 KiB page than zeroing it within a 2 MiB page (measured here).
+_LAZY_PAGE_FRACTION = 0.3
+_PAGE = 4096
+
+
+def lazy_zeros(length: int, dtype: np.dtype, written: float = 0.0) -> np.ndarray:
+    """A zero-filled array for a result of which only a ``written`` fraction of pages will be set.
+
+    NumPy asks for transparent huge pages on large arrays, so writing one block
+    zeroes the whole 2 MiB page around it, and a sparse result costs about as much
+    as a dense one. An anonymous mapping of 4 KiB pages is zeroed page by page as
+    the blocks land, and the pages never written read as the kernel's zero page.
+
+    Args:
+        length: elements.
+        dtype: their type.
+        written: the expected fraction of 4 KiB pages that will be written.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = length * dtype.itemsize
+    if nbytes < _LAZY_ZEROS_BYTES or written >= _LAZY_PAGE_FRACTION:
+        return np.zeros(length, dtype=dtype)
+    # The array keeps the mapping alive; it is unmapped when the array goes.
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype)
+
+
+def _pages_written(own: float, world_size: int, block_bytes: int) -> float:
+    """Expected fraction of 4 KiB pages holding a block of the union, for independent random blocks."""
+    union = 1.0 - (1.0 - own) ** world_size
+    per_page = max(1.0, _PAGE / max(1, block_bytes))
+    return 1.0 - (1.0 - union) ** per_page
 
 
 class WorkerOp:
@@ -34,12 +70,28 @@ class WorkerOp:
         world_size: the number of workers.
         op: the op number (call order within the worker).
         flat: the contiguous 1-D input (bfloat16 as uint16 bits); read until the op completes.
+            ``None`` when ``data`` is given.
         dtype: the element type.
         layout: the op's block layout.
+        inplace: write the sum into ``flat`` itself (it must be writeable) instead of a
+            new array. Safe: a block is read before it is sent and written only when
+            its sum comes back, after which it is never read again; blocks outside
+            the union of every worker's nonzero blocks are zero in ``flat`` already.
+        data: the data path of a device tensor (:class:`worker.cuda.CudaOpData`):
+            the op takes its mask and blocks from it and hands it the results.
     """
 
     def __init__(
-        self, job: str, rank: int, world_size: int, op: int, flat: np.ndarray, dtype: DType, layout: Layout
+        self,
+        job: str,
+        rank: int,
+        world_size: int,
+        op: int,
+        flat: np.ndarray | None,
+        dtype: DType,
+        layout: Layout,
+        inplace: bool = False,
+        data: Any = None,
     ) -> None:
         self.job = job
         self.rank = rank
@@ -48,8 +100,21 @@ class WorkerOp:
         self.flat = flat
         self.dtype = dtype
         self.layout = layout
-        self.out = np.zeros(layout.length, dtype=dtype.storage)
-        mask = blocks.block_mask(flat, layout.block_size)
+        # A device tensor's data path (worker.cuda.CudaOpData): its mask, blocks and output live there.
+        self._data = data
+        if data is not None:
+            mask = data.mask
+            self.out = data.out
+        elif inplace:
+            if not flat.flags.writeable:
+                raise ConfigError("an in-place allreduce needs a writeable tensor")
+            mask = blocks.block_mask(flat, layout.block_size)
+            self.out = flat
+        else:
+            mask = blocks.block_mask(flat, layout.block_size)
+            own = float(np.count_nonzero(mask)) / len(mask) if len(mask) else 0.0
+            written = _pages_written(own, world_size, layout.block_size * dtype.itemsize)
+            self.out = lazy_zeros(layout.length, dtype.storage, written)
         self._table = blocks.next_table(mask, layout)
         self._mynext = self._table[0].copy()
         self._cur: list[np.ndarray | None] = [None] * layout.num_streams
@@ -101,7 +166,10 @@ class WorkerOp:
                 raise ProtocolError(
                     f"result for stream {s} has {len(payload)} elements, expected {self.layout.payload_elements(ids)}"
                 )
-            blocks.scatter(self.out, ids, payload, self.layout)
+            if self._data is not None:
+                self._data.scatter(ids, payload, self.layout)
+            else:
+                blocks.scatter(self.out, ids, payload, self.layout)
             self.stats.blocks_received += len(ids)
         elif len(payload):
             raise ProtocolError("round 0 result carries data")
@@ -115,16 +183,23 @@ class WorkerOp:
         mine = self._mynext[cols]
         if (mine < cur).any():
             raise ProtocolError(f"instruction for stream {s} skips a nonzero block of rank {self.rank}")
-        sel = np.flatnonzero((mine == cur) & (cur != INF))
-        if not (cur != INF).any():
+        live = cur != INF
+        if not live.any():
             self._left -= 1
             return None
+        sel = np.flatnonzero((mine == cur) & live)
         if len(sel) == 0:
             return None
         ids = cur[sel]
         abs_cols = sel + cols.start
         after = self._table[ids // self.layout.num_columns + 1, abs_cols]
         self._mynext[abs_cols] = after
-        frames = encode(Blocks(self.job, self.rank, self.op, s, msg.round), after, blocks.gather(self.flat, ids, self.layout))
+        # A run of consecutive blocks goes out as a view of the input, without a copy:
+        # the input is not modified before the op completes (the caller's contract).
+        if self._data is not None:
+            payload = self._data.gather(ids, self.layout)
+        else:
+            payload = blocks.gather(self.flat, ids, self.layout, copy=False)
+        frames = encode(Blocks(self.job, self.rank, self.op, s, msg.round), after, payload)
         self._count_sent(frames, len(ids))
         return frames

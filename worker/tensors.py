@@ -11,7 +11,7 @@ import numpy as np
 from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError
 
-__all__ = ["to_flat"]
+__all__ = ["to_flat", "shares_memory"]
 
 
 def _is_torch(x: Any) -> bool:
@@ -60,3 +60,12 @@ def _torch_to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], An
     if t.dtype not in names:
         raise ConfigError(f"allreduce supports float32, float64, float16 and bfloat16 tensors, got {t.dtype}")
     return t.numpy(), names[t.dtype], lambda out: torch.from_numpy(out).reshape(shape)
+
+
+def shares_memory(x: Any, flat: np.ndarray) -> bool:
+    """Whether ``flat`` (from :func:`to_flat`) is ``x``'s own memory, so that writing it writes ``x``."""
+    if isinstance(x, np.ndarray):
+        return bool(np.shares_memory(x, flat)) and x.size == flat.size
+    if _is_torch(x):
+        return x.is_contiguous() and x.numel() == flat.size and x.data_ptr() == flat.ctypes.data
+    return False

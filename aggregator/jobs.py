@@ -1,0 +1,269 @@
+"""Who may speak for which rank of which job: tokens, generations and connections.
+
+A worker's connection binds to one rank of one job with HELLO, presenting the
+job's token; the job's first HELLO (or, for a job without a token, its first
+START) fixes the token and the world size. A HELLO with a newer generation
+restarts the job: the engine fails the older generation's ops, and connections of
+that generation are refused from then on. A connection refused once for a job
+stays refused for it, so it cannot slip in later without a HELLO.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass, field
+
+from aggregator.limits import Limits
+from omnireduce.errors import OmniReduceError
+from omnireduce.protocol import Blocks, ErrorCode, Hello, Start
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Refused", "Job", "Binding", "Jobs"]
+
+
+class Refused(OmniReduceError):
+    """Refuses one message: the ERROR goes to its sender only and no op is touched.
+
+    Args:
+        code: the error code.
+        message: why.
+        op: the op the message was about, if any.
+        ranks: the ranks concerned.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, op: int | None = None, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.op = op
+        self.ranks = ranks or []
+
+
+@dataclass(slots=True)
+class Job:
+    """One job as the aggregator knows it."""
+
+    name: str
+    token: bytes
+    generation: int
+    world_size: int
+    #: rank -> the connection currently bound to it.
+    members: dict[int, bytes] = field(default_factory=dict)
+    #: rank -> how it went away; the generation's new ops fail until it comes back.
+    lost: dict[int, str] = field(default_factory=dict)
+    #: op numbers in flight.
+    ops: set[int] = field(default_factory=set)
+    #: bytes its ops in flight hold.
+    held: int = 0
+
+
+@dataclass(slots=True)
+class Binding:
+    """What a connection is to a job: its rank, in which generation, or why it was refused."""
+
+    rank: int
+    generation: int
+    refused: tuple[ErrorCode, str] | None = None
+
+
+class Jobs:
+    """The jobs and the connections bound to them.
+
+    Args:
+        limits: caps on jobs at once, world size and jobs per connection.
+    """
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self._jobs: dict[str, Job] = {}
+        self._bindings: dict[bytes, dict[str, Binding]] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def get(self, name: str) -> Job | None:
+        return self._jobs.get(name)
+
+    def __getitem__(self, name: str) -> Job:
+        return self._jobs[name]
+
+    def hello(self, peer: bytes, msg: Hello) -> tuple[Job, list[int]]:
+        """Binds ``peer`` to a rank of a job.
+
+        Returns:
+            The job, and the op numbers in flight of the generation this HELLO
+            replaces (the caller fails them); empty unless the job restarted.
+
+        Raises:
+            Refused: wrong token, older generation, different world size, or a limit;
+                the connection then stays refused for the job.
+        """
+        try:
+            token = msg.token.encode()
+            j = self._jobs.get(msg.job)
+            if j is None:
+                self._check_room(peer, msg.job)
+                j = self._new_job(msg.job, token, msg.generation, msg.world_size)
+            elif not hmac.compare_digest(token, j.token):
+                raise Refused(ErrorCode.AUTH, "wrong job token")
+            stale: list[int] = []
+            if msg.generation < j.generation:
+                raise Refused(
+                    ErrorCode.STALE, f"generation {msg.generation} is older than the job's generation {j.generation}"
+                )
+            if msg.generation > j.generation:
+                self._check_world(msg.world_size)
+                logger.warning(
+                    "job=%r: restarted as generation %d by rank %d (was %d); failing its %d ops in flight",
+                    j.name, msg.generation, msg.rank, j.generation, len(j.ops),
+                )
+                stale = sorted(j.ops)
+                j.generation, j.world_size = msg.generation, msg.world_size
+                j.members.clear()
+                j.lost.clear()
+            elif msg.world_size != j.world_size:
+                raise Refused(
+                    ErrorCode.MISMATCH,
+                    f"rank {msg.rank} says the job has {msg.world_size} workers, the job has {j.world_size}",
+                    ranks=[msg.rank],
+                )
+            self._bind(peer, j, msg.rank)
+            return j, stale
+        except Refused as e:
+            bound = self._bindings.setdefault(peer, {})
+            before = bound.get(msg.job)
+            j = self._jobs.get(msg.job)
+            if before is not None and j is not None and j.members.get(before.rank) == peer:
+                del j.members[before.rank]  # a refused connection holds no rank
+            if msg.job in bound or len(bound) < self.limits.max_jobs_per_connection:
+                bound[msg.job] = Binding(msg.rank, msg.generation, (e.code, e.message))
+            elif not bound:
+                del self._bindings[peer]
+            raise
+
+    def admit(self, peer: bytes, msg: Start | Blocks) -> Job:
+        """The job of a START or BLOCKS, once sure the connection may speak for the message's rank.
+
+        Raises:
+            Refused: the connection is not (or no longer) bound to that rank of the job.
+        """
+        b = self._bindings.get(peer, {}).get(msg.job)
+        j = self._jobs.get(msg.job)
+        if b is None:
+            # A connection without HELLO (an old-style client) may only use a job without a token.
+            if j is None:
+                if isinstance(msg, Blocks):
+                    raise Refused(ErrorCode.UNKNOWN_OP, "no such op in flight", msg.op, [msg.rank])
+                self._check_room(peer, msg.job)
+                j = self._new_job(msg.job, b"", 0, msg.world_size)
+            elif j.token:
+                raise Refused(ErrorCode.AUTH, "this connection has not presented the job's token", msg.op)
+            if msg.rank >= j.world_size:
+                raise Refused(
+                    ErrorCode.MISMATCH, f"rank {msg.rank} is not in the job's world of size {j.world_size}",
+                    msg.op, [msg.rank],
+                )
+            self._bind(peer, j, msg.rank)
+            return j
+        if b.refused is not None:
+            raise Refused(b.refused[0], b.refused[1], msg.op, [msg.rank])
+        if j is None or b.generation != j.generation:
+            now = "is gone" if j is None else f"runs generation {j.generation}"
+            raise Refused(ErrorCode.STALE, f"this connection joined generation {b.generation}; the job {now}", msg.op)
+        if msg.rank != b.rank:
+            raise Refused(
+                ErrorCode.PROTOCOL, f"this connection is rank {b.rank} of the job, not rank {msg.rank}",
+                msg.op, [msg.rank],
+            )
+        return j
+
+    def unbind(self, peer: bytes, reason: str) -> list[tuple[Job, int, bool | None]]:
+        """Forgets a connection that went away.
+
+        Returns:
+            For each job it was bound to: the job, its rank, and True if that rank is
+            now lost, False if another connection had taken the rank over, None if
+            the binding was refused or of an older generation (nothing lost, but
+            the job may now be idle).
+        """
+        out: list[tuple[Job, int, bool | None]] = []
+        for name, b in self._bindings.pop(peer, {}).items():
+            j = self._jobs.get(name)
+            if j is None:
+                continue
+            if b.refused is not None or b.generation != j.generation:
+                out.append((j, b.rank, None))
+                continue
+            lost = j.members.get(b.rank) == peer
+            if lost:
+                del j.members[b.rank]
+                j.lost[b.rank] = reason
+            out.append((j, b.rank, lost))
+        return out
+
+    def leave(self, peer: bytes, job: str, rank: int) -> Job | None:
+        """A connection's rank leaves its job on purpose (BYE); returns the job if it was a member."""
+        bound = self._bindings.get(peer, {})
+        b = bound.get(job)
+        j = self._jobs.get(job)
+        if b is None or b.refused is not None or b.rank != rank or j is None or b.generation != j.generation:
+            return None
+        del bound[job]
+        if not bound:
+            del self._bindings[peer]
+        if j.members.get(rank) == peer:
+            del j.members[rank]
+        logger.info("job=%r gen=%d rank=%d: left", job, j.generation, rank)
+        return j
+
+    def drop_if_idle(self, j: Job) -> bool:
+        """Forgets a job nobody is connected to, with nothing in flight (its token too); True if it did."""
+        if j.members or j.ops or self._jobs.get(j.name) is not j:
+            return False
+        del self._jobs[j.name]
+        logger.info("job=%r gen=%d: no worker left; job forgotten", j.name, j.generation)
+        return True
+
+    def _check_world(self, world_size: int) -> None:
+        if world_size > self.limits.max_world_size:
+            raise Refused(ErrorCode.LIMIT, f"world size {world_size} exceeds the limit of {self.limits.max_world_size}")
+
+    def _check_room(self, peer: bytes, job: str) -> None:
+        bound = self._bindings.get(peer, {})
+        if job not in bound and len(bound) >= self.limits.max_jobs_per_connection:
+            raise Refused(
+                ErrorCode.LIMIT, f"one connection may join at most {self.limits.max_jobs_per_connection} jobs"
+            )
+        if len(self._jobs) >= self.limits.max_jobs:
+            raise Refused(ErrorCode.LIMIT, f"the aggregator serves its limit of {self.limits.max_jobs} jobs")
+
+    def _new_job(self, name: str, token: bytes, generation: int, world_size: int) -> Job:
+        self._check_world(world_size)
+        j = Job(name, token, generation, world_size)
+        self._jobs[name] = j
+        logger.info(
+            "job=%r gen=%d: new job of %d workers%s", name, generation, world_size, " with a token" if token else ""
+        )
+        return j
+
+    def _bind(self, peer: bytes, j: Job, rank: int) -> None:
+        bound = self._bindings.setdefault(peer, {})
+        if j.name not in bound and len(bound) >= self.limits.max_jobs_per_connection:
+            raise Refused(
+                ErrorCode.LIMIT, f"one connection may join at most {self.limits.max_jobs_per_connection} jobs"
+            )
+        before = bound.get(j.name)
+        if before is not None and before.rank != rank and j.members.get(before.rank) == peer:
+            # One connection is one rank: it leaves the rank it held.
+            del j.members[before.rank]
+        bound[j.name] = Binding(rank, j.generation)
+        old = j.members.get(rank)
+        if old is not None and old != peer:
+            logger.warning(
+                "job=%r gen=%d rank=%d: connection %s replaces %s", j.name, j.generation, rank, peer.hex(), old.hex()
+            )
+        j.members[rank] = peer
+        if j.lost.pop(rank, None) is not None:
+            logger.info("job=%r gen=%d rank=%d: connected again", j.name, j.generation, rank)

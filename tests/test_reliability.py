@@ -1,0 +1,286 @@
+"""Faults with real processes: workers killed or paused, the aggregator killed and restarted.
+
+Each test checks that the others get a clear error (naming the job, op and rank)
+well within the stated time, that the aggregator is still serving, and that the
+next job (a restart with a new generation, as torchelastic does) sums correctly.
+Detection times are printed (``pytest -s``) for the record; the bounds asserted
+are loose because this machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aggregator import Aggregator
+from omnireduce.errors import ConnectionLostError, OpTimeoutError, PeerLostError, StaleGenerationError
+from tests.faults import Proc, expected, tensor
+from worker import Worker
+
+pytestmark = pytest.mark.slow
+
+N = 20_000
+# Heartbeats on the test aggregators: a silent connection is dropped after HB_TIMEOUT.
+HB, HB_TIMEOUT = 0.2, 1.0
+OP_TIMEOUT = 20.0
+
+
+def _aggregator(**kw: Any) -> Aggregator:
+    kw.setdefault("timeout", OP_TIMEOUT)
+    kw.setdefault("heartbeat", HB)
+    kw.setdefault("heartbeat_timeout", HB_TIMEOUT)
+    return Aggregator(**kw).start()
+
+
+def _until(pred: Callable[[], Any], timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+def _members(agg: Aggregator, job: str) -> list[int]:
+    info = agg.engine.job_info(job)
+    return info["ranks"] if info else []
+
+
+def _workers(address: str, job: str, ranks: tuple[int, ...], world: int, generation: int = 0) -> list[Worker]:
+    return [Worker(address, rank=r, world_size=world, job=job, generation=generation, timeout=30) for r in ranks]
+
+
+def _restart_job_and_check(agg: Aggregator, job: str, generation: int) -> None:
+    """The torchelastic pattern: every rank restarts with a new generation; the job sums correctly."""
+    victim = Proc(agg.address, 2, 3, job, generation)
+    ws = _workers(agg.address, job, (0, 1), 3, generation)
+    try:
+        futs = [w.allreduce_async(tensor(50, r, N)) for r, w in enumerate(ws)]
+        assert victim.allreduce(50, N) == {"ok": True, "exact": True}
+        for f in futs:
+            np.testing.assert_array_equal(f.result(30), expected(50, 3, N))
+        assert agg.engine.job_info(job)["generation"] == generation
+    finally:
+        for w in ws:
+            w.close()
+        victim.close()
+
+
+def _expect_peer_lost(futs: list[Any], job: str, op: int, rank: int, since: float, what: str) -> float:
+    for f in futs:
+        with pytest.raises(PeerLostError) as info:
+            f.result(OP_TIMEOUT)
+        assert (info.value.job, info.value.op, info.value.ranks) == (job, op, (rank,)), str(info.value)
+    took = time.monotonic() - since
+    print(f"\n{what}: survivors failed {took * 1000:.0f} ms after the fault")
+    return took
+
+
+def test_worker_killed_before_an_op() -> None:
+    job = "kill-before"
+    with _aggregator() as agg:
+        victim = Proc(agg.address, 2, 3, job)
+        ws = _workers(agg.address, job, (0, 1), 3)
+        try:
+            _until(lambda: _members(agg, job) == [0, 1, 2])  # every rank said HELLO
+            t0 = time.monotonic()
+            victim.signal(signal.SIGKILL)
+            futs = [w.allreduce_async(tensor(1, r, N)) for r, w in enumerate(ws)]
+            assert _expect_peer_lost(futs, job, 0, 2, t0, "SIGKILL before an op") < 5
+        finally:
+            for w in ws:
+                w.close()
+            victim.close()
+        _restart_job_and_check(agg, job, generation=1)
+
+
+def test_worker_killed_during_an_op() -> None:
+    job = "kill-during"
+    with _aggregator() as agg:
+        victim = Proc(agg.address, 2, 3, job)
+        ws = _workers(agg.address, job, (0, 1), 3)
+        try:
+            futs = [w.allreduce_async(tensor(2, r, N)) for r, w in enumerate(ws)]
+            victim.send(cmd="allreduce", seed=2, n=N, hang=True)
+            victim.wait_for(lambda m: m.get("hanging"), 15)  # round 0 done: the op is in flight
+            assert agg.engine.job_info(job)["ops"] == [0]
+            t0 = time.monotonic()
+            victim.signal(signal.SIGKILL)
+            assert _expect_peer_lost(futs, job, 0, 2, t0, "SIGKILL during an op") < 5
+            assert agg.engine.active_ops == 0 and agg.engine.held_bytes == 0  # the op's state is freed
+        finally:
+            for w in ws:
+                w.close()
+            victim.close()
+        _restart_job_and_check(agg, job, generation=1)
+
+
+def test_worker_killed_after_an_op() -> None:
+    job = "kill-after"
+    with _aggregator() as agg:
+        victim = Proc(agg.address, 2, 3, job)
+        ws = _workers(agg.address, job, (0, 1), 3)
+        try:
+            futs = [w.allreduce_async(tensor(3, r, N)) for r, w in enumerate(ws)]
+            assert victim.allreduce(3, N) == {"ok": True, "exact": True}
+            for f in futs:
+                np.testing.assert_array_equal(f.result(30), expected(3, 3, N))
+            t0 = time.monotonic()
+            victim.signal(signal.SIGKILL)
+            # The next op cannot complete without rank 2: it fails fast instead of timing out.
+            futs = [w.allreduce_async(tensor(4, r, N)) for r, w in enumerate(ws)]
+            assert _expect_peer_lost(futs, job, 1, 2, t0, "SIGKILL after an op") < 5
+        finally:
+            for w in ws:
+                w.close()
+            victim.close()
+        _restart_job_and_check(agg, job, generation=1)
+
+
+def test_worker_paused_past_heartbeat_timeout_then_resumed() -> None:
+    job = "paused"
+    with _aggregator() as agg:
+        victim = Proc(agg.address, 2, 3, job)
+        ws = _workers(agg.address, job, (0, 1), 3)
+        try:
+            futs = [w.allreduce_async(tensor(5, r, N)) for r, w in enumerate(ws)]
+            assert victim.allreduce(5, N) == {"ok": True, "exact": True}
+            for f in futs:
+                f.result(30)
+            victim.signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            futs = [w.allreduce_async(tensor(6, r, N)) for r, w in enumerate(ws)]
+            # Noticed by the heartbeats (1 s), long before the op timeout (20 s).
+            took = _expect_peer_lost(futs, job, 1, 2, t0, "SIGSTOP (heartbeat timeout 1 s)")
+            assert HB_TIMEOUT * 0.8 < took < OP_TIMEOUT / 2
+            victim.signal(signal.SIGCONT)
+            # The resumed worker learns its op 1 failed too, and comes back as rank 2.
+            late = victim.allreduce(6, N)
+            assert late["ok"] is False and late["error"] in ("PeerLostError", "ConnectionLostError"), late
+            _until(lambda: _members(agg, job) == [0, 1, 2] and not agg.engine.job_info(job)["lost"])
+            futs = [w.allreduce_async(tensor(7, r, N)) for r, w in enumerate(ws)]
+            assert victim.allreduce(7, N) == {"ok": True, "exact": True}
+            for f in futs:
+                np.testing.assert_array_equal(f.result(30), expected(7, 3, N))
+        finally:
+            for w in ws:
+                w.close()
+            victim.close()
+
+
+def test_worker_paused_without_heartbeats_times_out_naming_it() -> None:
+    job = "paused-nohb"
+    with _aggregator(timeout=1.5, heartbeat=0) as agg:
+        victim = Proc(agg.address, 2, 3, job, OMNIREDUCE_HEARTBEAT="0")
+        ws = _workers(agg.address, job, (0, 1), 3)
+        try:
+            _until(lambda: _members(agg, job) == [0, 1, 2])
+            victim.signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            futs = [w.allreduce_async(tensor(8, r, N)) for r, w in enumerate(ws)]
+            for f in futs:
+                with pytest.raises(OpTimeoutError) as info:
+                    f.result(15)
+                assert (info.value.job, info.value.op, info.value.ranks) == (job, 0, (2,))
+            took = time.monotonic() - t0
+            print(f"\nSIGSTOP without heartbeats: op timeout (1.5 s) after {took * 1000:.0f} ms")
+            assert 1.4 < took < 6
+        finally:
+            for w in ws:
+                w.close()
+            victim.close()
+        _restart_job_and_check(agg, job, generation=1)
+
+
+def test_restarted_generation_fails_the_old_ones_ops() -> None:
+    with _aggregator() as agg:
+        old = Worker(agg.address, rank=0, world_size=2, job="gen", timeout=30)
+        fut = old.allreduce_async(np.ones(10, np.float32))  # waits for rank 1, which never comes
+        _until(lambda: agg.engine.job_info("gen") and agg.engine.job_info("gen")["ops"] == [0])
+        new = _workers(agg.address, "gen", (0, 1), 2, generation=1)
+        with pytest.raises(StaleGenerationError, match="generation 1"):
+            fut.result(10)
+        # The old generation's connection is refused from now on; the new one works.
+        with pytest.raises(StaleGenerationError):
+            old.allreduce(np.ones(10, np.float32))
+        futs = [w.allreduce_async(np.full(10, r + 1.0, np.float32)) for r, w in enumerate(new)]
+        for f in futs:
+            np.testing.assert_array_equal(f.result(30), np.full(10, 3.0))
+        for w in [old, *new]:
+            w.close()
+
+
+# The aggregator daemon as a process, killed and started again on the same port.
+
+
+def _daemon(listen: str) -> tuple[subprocess.Popen, str]:
+    exe = shutil.which("omnireduce-aggregator", path=os.path.dirname(sys.executable))
+    assert exe, "the omnireduce-aggregator console script is not installed"
+    proc = subprocess.Popen(
+        [exe, "--listen", listen, "--timeout", "20", "--heartbeat", str(HB), "--heartbeat-timeout", str(HB_TIMEOUT)],
+        stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        m = re.search(r"listening on (tcp://127\.0\.0\.1:\d+)", line)
+        if m:
+            threading.Thread(target=lambda: proc.stderr.read(), daemon=True).start()  # type: ignore[union-attr]
+            return proc, m.group(1)
+    raise AssertionError(f"daemon exited with {proc.wait()} before listening")
+
+
+@pytest.fixture
+def daemons() -> Iterator[list[subprocess.Popen]]:
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+def test_aggregator_killed_and_restarted(daemons: list[subprocess.Popen]) -> None:
+    proc, address = _daemon("tcp://127.0.0.1:0")
+    daemons.append(proc)
+    ws = _workers(address, "agg-restart", (0, 1, 2), 3)
+    try:
+        futs = [w.allreduce_async(tensor(9, r, N)) for r, w in enumerate(ws)]
+        for f in futs:
+            np.testing.assert_array_equal(f.result(30), expected(9, 3, N))
+        # Freeze it so op 1 is surely in flight when it dies.
+        proc.send_signal(signal.SIGSTOP)
+        futs = [w.allreduce_async(tensor(10, r, N)) for r, w in enumerate(ws)]
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        proc.kill()
+        for f in futs:
+            with pytest.raises(ConnectionLostError) as info:
+                f.result(15)
+            assert (info.value.job, info.value.op) == ("agg-restart", 1)
+        took = time.monotonic() - t0
+        print(f"\naggregator SIGKILL: workers failed {took * 1000:.0f} ms after it")
+        assert took < 5
+        proc.wait(10)
+        proc, again = _daemon(address)  # same port
+        daemons.append(proc)
+        assert again == address
+        # The same Worker objects reconnect and work for new ops.
+        futs = [w.allreduce_async(tensor(11, r, N)) for r, w in enumerate(ws)]
+        for f in futs:
+            np.testing.assert_array_equal(f.result(30), expected(11, 3, N))
+        assert proc.poll() is None
+    finally:
+        for w in ws:
+            w.close()

@@ -1,0 +1,241 @@
+"""What the benchmarks share: the run specification, the test tensors, and the outputs
+(a table on stdout, JSON, CSV and a PNG plot)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SYSTEMS",
+    "DENSITIES",
+    "FULL_SIZE",
+    "RankSpec",
+    "make_tensor",
+    "row_from_event",
+    "format_table",
+    "write_outputs",
+    "parse_size",
+]
+
+#: The systems compared; gloo's dense all_reduce is the reference of every speedup.
+SYSTEMS = ("gloo", "gloo-sparse", "omnireduce")
+#: OmniReduce's microbenchmark densities (fraction of 256-element blocks that are nonzero).
+DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.05, 0.02, 0.01)
+#: 100 MB of float32, OmniReduce's tensor size.
+FULL_SIZE = 26_214_400
+
+
+@dataclass
+class RankSpec:
+    """Everything a rank process needs; sent to it as JSON.
+
+    Args:
+        world_size: ranks in the run.
+        sizes: tensor sizes in elements (float32).
+        densities: fractions of nonzero blocks.
+        systems: which of :data:`SYSTEMS` to time, in this order.
+        repeats: timed repetitions per case, after ``warmup`` untimed ones.
+        warmup: untimed repetitions per case.
+        block_size: omnireduce's elements per block (the patterns' block is ``extra["pattern_block"]``).
+        message_blocks: omnireduce's blocks per message; None leaves the library's default.
+        streams: omnireduce's streams per op; None leaves the library's default.
+        address: the aggregator's endpoint.
+        store: path of the file the ranks rendezvous through (torch's FileStore).
+        seed: base of every rank's random generator.
+        op_timeout: seconds any single operation may take before the rank fails.
+        torch_threads: torch intra-op threads per rank (gloo's sparse path uses them).
+        check: compare every system's result with gloo's dense sum (untimed).
+    """
+
+    world_size: int
+    sizes: list[int]
+    densities: list[float]
+    systems: list[str]
+    repeats: int = 10
+    warmup: int = 2
+    block_size: int = 256
+    message_blocks: int | None = None
+    streams: int | None = None
+    address: str = ""
+    store: str = ""
+    seed: int = 0
+    op_timeout: float = 120.0
+    torch_threads: int = 1
+    check: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        return cls(**json.loads(text))
+
+
+def parse_size(text: str) -> int:
+    """A tensor size in elements: ``26214400``, ``100MB`` (float32 bytes, MB = 2**20) or ``64KB``."""
+    t = text.strip().upper()
+    for suffix, mult in (("KB", 1 << 10), ("MB", 1 << 20), ("GB", 1 << 30)):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * mult) // 4
+    return int(t)
+
+
+def make_tensor(n: int, density: float, block_size: int, rng: np.random.Generator) -> np.ndarray:
+    """A float32 tensor whose nonzero blocks are placed at random, independently per rank.
+
+    Exactly ``round(density * blocks)`` blocks are nonzero, as in OmniReduce's own
+    benchmark. Values are small nonzero integers, so every sum is exact whatever the
+    order of addition and results can be compared bit for bit.
+
+    Args:
+        n: elements.
+        density: fraction of blocks that are nonzero, 0 to 1.
+        block_size: elements per block (the last one may be short).
+        rng: the rank's generator.
+    """
+    nb = -(-n // block_size)
+    k = min(nb, round(density * nb))
+    x = np.empty(nb * block_size, dtype=np.float32)
+    # Written, not np.zeros: untouched calloc pages all map the kernel's one zero page,
+    # which would make every pass over the zero blocks read the same cached 4 KiB.
+    x.fill(0.0)
+    blocks = x.reshape(nb, block_size)
+    chosen = rng.choice(nb, size=k, replace=False) if k < nb else np.arange(nb)
+    # int8 draws are 4x cheaper than float ones and every value in [1, 100] stays exact.
+    vals = rng.integers(1, 101, size=(k, block_size), dtype=np.int8).astype(np.float32)
+    vals *= np.where(rng.random((k, 1)) < 0.5, -1.0, 1.0).astype(np.float32)
+    blocks[chosen] = vals
+    return x[:n]
+
+
+def row_from_event(event: dict[str, Any]) -> dict[str, Any]:
+    """Turns a rank 0 result event into a result row with the summary statistics."""
+    times = event["times"]
+    row = {k: v for k, v in event.items() if k not in ("type", "times")}
+    row["median_s"] = statistics.median(times) if times else math.nan
+    row["min_s"] = min(times) if times else math.nan
+    row["max_s"] = max(times) if times else math.nan
+    row["times"] = times
+    return row
+
+
+def _speedups(rows: list[dict[str, Any]]) -> None:
+    ref = {
+        (r["workers"], r["elements"], r["density"]): r["median_s"] for r in rows if r["system"] == "gloo"
+    }
+    for r in rows:
+        base = ref.get((r["workers"], r["elements"], r["density"]))
+        r["speedup_vs_gloo"] = base / r["median_s"] if base and r["median_s"] > 0 else None
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """One line per (workers, size, density): each system's median time and its speedup over gloo dense."""
+    _speedups(rows)
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    keys = sorted({(r["workers"], r["elements"], r["density"]) for r in rows}, key=lambda k: (k[0], k[1], -k[2]))
+    head = f"{'workers':>7} {'MB':>7} {'density':>7}"
+    for s in systems:
+        head += f" | {s + ' ms':>16} {'x gloo':>7}"
+    head += f" | {'sent':>6} {'ok':>3}"
+    lines = [head, "-" * len(head)]
+    by_key = {(r["workers"], r["elements"], r["density"], r["system"]): r for r in rows}
+    for w, n, d in keys:
+        line = f"{w:>7} {n * 4 / 2**20:>7.1f} {d:>7.2f}"
+        ok = True
+        sent = ""
+        for s in systems:
+            r = by_key.get((w, n, d, s))
+            if r is None:
+                line += f" | {'-':>16} {'-':>7}"
+                continue
+            ok = ok and r.get("ok", True) is not False
+            sp = r.get("speedup_vs_gloo")
+            line += f" | {r['median_s'] * 1e3:>16.1f} {(f'{sp:.2f}' if sp else '-'):>7}"
+            if s == "omnireduce" and r.get("sent_fraction") is not None:
+                sent = f"{r['sent_fraction'] * 100:.1f}%"
+        line += f" | {sent:>6} {'yes' if ok else 'NO':>3}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def write_outputs(rows: list[dict[str, Any]], out_dir: str, meta: dict[str, Any], plot: bool = True) -> list[str]:
+    """Writes ``results.json``, ``results.csv`` and (with matplotlib) ``results.png`` into ``out_dir``.
+
+    Args:
+        rows: result rows (see :func:`row_from_event`).
+        out_dir: the output folder; created if missing.
+        meta: the run's parameters and machine, stored in the JSON.
+        plot: also draw the PNG.
+
+    Returns:
+        The paths written.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    _speedups(rows)
+    paths = []
+    jpath = os.path.join(out_dir, "results.json")
+    with open(jpath + ".tmp", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    os.replace(jpath + ".tmp", jpath)
+    paths.append(jpath)
+    cpath = os.path.join(out_dir, "results.csv")
+    cols = [
+        "workers", "elements", "density", "system", "median_s", "min_s", "max_s", "speedup_vs_gloo",
+        "ok", "sent_fraction", "repeats",
+    ]
+    with open(cpath, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        wr.writeheader()
+        for r in rows:
+            wr.writerow({**r, "repeats": len(r.get("times", []))})
+    paths.append(cpath)
+    if plot and rows:
+        ppath = os.path.join(out_dir, "results.png")
+        _plot(rows, ppath, meta.get("title", "allreduce"))
+        paths.append(ppath)
+    return paths
+
+
+def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["workers"], r["elements"]) for r in rows})
+    fig, axes = plt.subplots(len(cases), 2, figsize=(11, 3.8 * len(cases)), squeeze=False)
+    for (w, n), (ax_t, ax_s) in zip(cases, axes, strict=True):
+        for s in SYSTEMS:
+            pts = sorted((r["density"], r["median_s"], r.get("speedup_vs_gloo")) for r in rows
+                         if r["system"] == s and r["workers"] == w and r["elements"] == n)
+            if not pts:
+                continue
+            ax_t.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=s)
+            sp = [(p[0], p[2]) for p in pts if p[2]]
+            ax_s.plot([p[0] for p in sp], [p[1] for p in sp], marker="o", label=s)
+        case = f"{w} workers, {n * 4 / 2**20:.1f} MB"
+        for ax, ylabel in ((ax_t, "median time (ms)"), (ax_s, "speedup over gloo dense")):
+            ax.set_xscale("log")
+            ax.set_xlabel("block density")
+            ax.set_ylabel(ylabel)
+            ax.set_title(case)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        ax_t.set_yscale("log")
+        ax_s.axhline(1.0, color="gray", lw=0.8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,219 @@
+"""The benchmark's processes: ``python -m bench.procs rank RANK SPEC`` and ``... aggregator LISTEN``.
+
+A rank process times gloo dense, gloo sparse COO and omnireduce on the same tensors,
+one system after the other, and rank 0 prints one JSON line per case on stdout. The
+aggregator process prints its bound address as a JSON line and serves until its
+stdin is closed. The driver (:mod:`bench.driver`) starts them, on loopback or inside
+network namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from bench.common import RankSpec, make_tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["main", "run_rank", "serve_aggregator"]
+
+_CLOSE_TIMEOUT_S = 15.0
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class _Case:
+    """One tensor of one rank and the three ways of summing it."""
+
+    def __init__(self, spec: RankSpec, rank: int, n: int, density: float, worker: Any) -> None:
+        import torch
+
+        self.torch = torch
+        # The pattern's block (256, OmniReduce's) stays put when --block-size changes
+        # omnireduce's, so that block sizes are compared on the same tensors.
+        b = int(spec.extra.get("pattern_block", 256))
+        rng = np.random.default_rng([spec.seed, rank, n, round(density * 1e6)])
+        self.x = make_tensor(n, density, b, rng)
+        self.n = n
+        self.density = density
+        # make_tensor's base array is padded to whole blocks: gloo's sparse path uses it as
+        # rows of one block each, the layout an embedding gradient has.
+        base = self.x.base if self.x.base is not None else self.x
+        self.rows = torch.from_numpy(base).view(-1, b)
+        self.xt = torch.from_numpy(self.x)
+        self.buf = torch.empty_like(self.xt)
+        self.worker = worker
+        self.sparse_io = bool(spec.extra.get("sparse_io", False))
+        self.sparse: Any = None
+
+    def reset_dense(self) -> None:
+        self.buf.copy_(self.xt)
+
+    def gloo(self) -> Any:
+        self.torch.distributed.all_reduce(self.buf)
+        return self.buf
+
+    def to_sparse(self) -> Any:
+        """The tensor as a coalesced COO tensor with one row per nonzero block."""
+        torch = self.torch
+        nz = self.rows.ne(0).any(1).nonzero().squeeze(1)
+        return torch.sparse_coo_tensor(
+            nz.unsqueeze(0), self.rows.index_select(0, nz), self.rows.shape, is_coalesced=True
+        )
+
+    def reset_sparse(self) -> None:
+        # gloo sums into its input (it replaces the tensor's indices and values), so
+        # every repetition starts from a fresh one.
+        self.sparse = None if self.sparse_io else self.to_sparse()
+
+    def gloo_sparse(self) -> Any:
+        s = self.to_sparse() if self.sparse_io else self.sparse
+        self.torch.distributed.all_reduce(s)
+        return s.to_dense().view(-1)[: self.n] if self.sparse_io else s
+
+    def result_of(self, system: str, result: Any) -> np.ndarray:
+        """A system's result as a flat NumPy array (untimed)."""
+        if system == "gloo-sparse" and not self.sparse_io:
+            result = result.to_dense().view(-1)[: self.n]
+        return result.numpy() if isinstance(result, self.torch.Tensor) else result
+
+    def omnireduce(self) -> Any:
+        return self.worker.allreduce(self.x)
+
+
+def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] = _emit) -> None:
+    """Runs every case of ``spec`` as ``rank``; rank 0 emits one result event per case.
+
+    Args:
+        spec: the run.
+        rank: this process's rank.
+        emit: where rank 0's events go (stdout JSON lines by default).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from worker import Worker
+
+    torch.set_num_threads(spec.torch_threads)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{spec.store}", rank=rank, world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.op_timeout),
+    )
+    worker = None
+    if "omnireduce" in spec.systems:
+        worker = Worker(
+            spec.address, rank=rank, world_size=spec.world_size, job=f"bench-{os.path.basename(spec.store)}",
+            block_size=spec.block_size, message_blocks=spec.message_blocks, streams=spec.streams,
+            timeout=spec.op_timeout,
+        )
+    try:
+        for n in spec.sizes:
+            for density in spec.densities:
+                case = _Case(spec, rank, n, density, worker)
+                ref = None
+                if spec.check:
+                    case.reset_dense()
+                    ref = case.gloo().numpy().copy()
+                for system in spec.systems:
+                    _time_system(spec, rank, case, system, ref, emit)
+                del case
+    finally:
+        # Every result is out by now: a close that hangs must not hold up the run.
+        closer = threading.Thread(target=_close, args=(worker, dist), daemon=True)
+        closer.start()
+        closer.join(_CLOSE_TIMEOUT_S)
+        if closer.is_alive():
+            logger.error("rank %d: closing the worker or the process group hung for %g s", rank, _CLOSE_TIMEOUT_S)
+
+
+def _close(worker: Any, dist: Any) -> None:
+    if worker is not None:
+        worker.close()
+    dist.destroy_process_group()
+
+
+def _time_system(
+    spec: RankSpec, rank: int, case: _Case, system: str, ref: np.ndarray | None, emit: Callable[[dict[str, Any]], None]
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    fn = {"gloo": case.gloo, "gloo-sparse": case.gloo_sparse, "omnireduce": case.omnireduce}[system]
+    reset = {"gloo": case.reset_dense, "gloo-sparse": case.reset_sparse}.get(system)
+    times = []
+    result: Any = None
+    for i in range(spec.warmup + spec.repeats):
+        if reset is not None:
+            reset()
+        result = None
+        dist.barrier()
+        t0 = time.perf_counter()
+        result = fn()
+        dt = time.perf_counter() - t0
+        if i >= spec.warmup:
+            times.append(dt)
+    ok = True
+    if ref is not None:
+        ok = bool(np.array_equal(case.result_of(system, result), ref))
+    # A case takes as long as its slowest rank.
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if rank == 0:
+        event: dict[str, Any] = {
+            "type": "result", "workers": spec.world_size, "elements": case.n,
+            "density": case.density, "system": system,
+            "times": t.tolist(), "ok": bool(flag.item()) if ref is not None else None,
+        }
+        if system == "omnireduce" and case.worker is not None and case.worker.stats.last is not None:
+            last = case.worker.stats.last
+            event.update(sent_fraction=last.sent_fraction, rounds=last.rounds, messages_sent=last.messages_sent)
+        emit(event)
+
+
+def serve_aggregator(listen: str, timeout: float) -> None:
+    """Serves an aggregator on ``listen`` until stdin closes; prints its address first."""
+    from aggregator import Aggregator
+
+    agg = Aggregator(listen=listen, timeout=timeout).start()
+    try:
+        _emit({"type": "address", "address": agg.address})
+        sys.stdin.read()
+    finally:
+        agg.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if len(args) == 3 and args[0] == "rank":
+        with open(args[2]) as f:
+            spec = RankSpec.from_json(f.read())
+        run_rank(spec, int(args[1]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skips interpreter teardown, where a hung ZeroMQ context would block the exit.
+        os._exit(0)
+    if len(args) == 3 and args[0] == "aggregator":
+        serve_aggregator(args[1], float(args[2]))
+        return 0
+    print("usage: python -m bench.procs rank RANK SPEC_FILE | aggregator LISTEN TIMEOUT", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""The benchmarks' code: each benchmark runs on a tiny size and writes its files; the cluster
+topology is created and removed (where root and ``ip netns`` are available); and the data-path
+changes made for the benchmarks (zero-copy dense rounds, one-pass sums, lazy and in-place results)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from aggregator.engine import Engine
+from bench import cluster
+from bench.common import format_table, make_tensor, parse_size, row_from_event, write_outputs
+from omnireduce import blocks
+from omnireduce.dtypes import DType
+from omnireduce.errors import ConfigError
+from omnireduce.layout import Layout
+from omnireduce.protocol import decode
+from worker.op import WorkerOp, lazy_zeros
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_CLUSTER = cluster.preflight()
+
+
+def _bench(module: str, out: str, *extra: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", module, "--sizes", "20000", "--densities", "1.0", "0.05", "--workers", "2",
+        "--repeats", "2", "--warmup", "1", "--time-limit", "120", "--op-timeout", "60", "--no-progress",
+        "--out", out, *extra,
+    ]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _check_outputs(out: str, systems: list[str], densities: list[float]) -> list[dict]:
+    for name in ("results.json", "results.csv", "results.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    with open(os.path.join(out, "results.json")) as f:
+        doc = json.load(f)
+    rows = doc["rows"]
+    assert sorted((r["system"], r["density"]) for r in rows) == sorted((s, d) for s in systems for d in densities)
+    for r in rows:
+        assert r["ok"] is True, r
+        assert r["workers"] == 2 and r["elements"] == 20000
+        assert len(r["times"]) == 2 and all(t > 0 for t in r["times"])
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+    with open(os.path.join(out, "results.csv")) as f:
+        assert len(f.read().strip().splitlines()) == len(rows) + 1
+    assert doc["meta"]["machine"]["cores"] == os.cpu_count()
+    return rows
+
+
+def test_make_tensor_places_exact_blocks() -> None:
+    rng = np.random.default_rng(1)
+    x = make_tensor(10 * 256 + 100, 0.3, 256, rng)
+    assert x.shape == (2660,) and x.dtype == np.float32
+    padded = np.zeros(11 * 256, dtype=np.float32)
+    padded[: len(x)] = x
+    nonzero = (padded.reshape(11, 256) != 0).any(1)
+    assert nonzero.sum() == round(0.3 * 11)
+    # Every element of a chosen block is a nonzero integer, so sums are exact in any order.
+    vals = padded.reshape(11, 256)[nonzero]
+    assert (vals != 0).all() and (vals == np.round(vals)).all() and np.abs(vals).max() <= 100
+    assert (make_tensor(1000, 1.0, 256, rng) != 0).all()
+    assert not make_tensor(1000, 0.0, 256, rng).any()
+
+
+def test_parse_size() -> None:
+    assert parse_size("100MB") == 26_214_400
+    assert parse_size("64KB") == 16384
+    assert parse_size("1234") == 1234
+
+
+def test_table_and_outputs(tmp_path) -> None:
+    rows = []
+    for system, t in (("gloo", 0.060), ("gloo-sparse", 0.030), ("omnireduce", 0.015)):
+        rows.append(row_from_event({"type": "result", "workers": 2, "elements": 1 << 20, "density": 0.01,
+                                    "system": system, "times": [t, t * 2, t / 2], "ok": True}))
+    table = format_table(rows)
+    assert "omnireduce" in table and "4.00" in table and "2.00" in table  # speedups over gloo dense
+    paths = write_outputs(rows, str(tmp_path), {"title": "t"})
+    assert [os.path.basename(p) for p in paths] == ["results.json", "results.csv", "results.png"]
+    assert json.loads((tmp_path / "results.json").read_text())["rows"][2]["speedup_vs_gloo"] == pytest.approx(4.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_allreduce_benchmark_tiny(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    res = _bench("bench.allreduce", out)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "x gloo" in res.stdout and "wrote" in res.stdout
+    rows = _check_outputs(out, ["gloo", "gloo-sparse", "omnireduce"], [1.0, 0.05])
+    omni = {r["density"]: r for r in rows if r["system"] == "omnireduce"}
+    assert omni[0.05]["sent_fraction"] < omni[1.0]["sent_fraction"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_allreduce_benchmark_ipc_and_flags(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    res = _bench("bench.allreduce", out, "--transport", "ipc", "--systems", "omnireduce",
+                 "--message-blocks", "8", "--streams", "2", "--block-size", "128", "--sparse-io")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = _check_outputs(out, ["omnireduce"], [1.0, 0.05])
+    args = json.loads((tmp_path / "out" / "results.json").read_text())["meta"]["args"]
+    assert args["transport"] == "ipc" and args["message_blocks"] == 8 and args["block_size"] == 128
+    # 157 blocks over 16 columns: the dense op needs more than one round per stream.
+    assert max(r["rounds"] for r in rows) > 2
+
+
+def test_topology_rejects_addresses_outside_the_benchmark_range() -> None:
+    for subnet in ("10.0.0.0/24", "192.168.1.0/24", "172.16.0.0/24", "198.20.0.0/24"):
+        with pytest.raises(ValueError, match="198.18.0.0/15"):
+            cluster.Topology(2, subnet=subnet)
+    with pytest.raises(ValueError, match="tc rate"):
+        cluster.Topology(2, rate="fast")
+    cluster.Topology(2, subnet="198.19.255.0/24")  # the top of the range is fine
+
+
+def _ours() -> list[str]:
+    tag = f"ob{os.getpid()}"
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [n for n in names if n.startswith(tag)] + [ln for ln in links.splitlines() if f" {tag}" in ln]
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=f"cluster benchmark unavailable: {NO_CLUSTER}")
+@pytest.mark.timeout(120)
+def test_topology_up_shapes_and_down() -> None:
+    topo = cluster.Topology(2, rate="100mbit", subnet="198.18.200.0/24")
+    try:
+        topo.up()
+        assert len(topo.exists()) == 1 + 3 + 3  # bridge, 3 namespaces, 3 host-side veths
+        bps = cluster.measure_link(topo, seconds=0.5)
+        # Shaped to 100 Mbit/s: unshaped veth carries about 100x that.
+        assert 30e6 < bps < 130e6, bps
+    finally:
+        topo.down()
+    assert topo.exists() == []
+    assert _ours() == []
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=f"cluster benchmark unavailable: {NO_CLUSTER}")
+def test_cleanup_stale_removes_dead_runs() -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"ob{dead.pid}-test"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in cluster.cleanup_stale()
+        assert name not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=f"cluster benchmark unavailable: {NO_CLUSTER}")
+@pytest.mark.timeout(200)
+def test_cluster_benchmark_tiny(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    res = _bench("bench.cluster", out, "--rate", "1gbit", "--subnet", "198.18.201.0/24")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "link check" in res.stdout
+    _check_outputs(out, ["gloo", "gloo-sparse", "omnireduce"], [1.0, 0.05])
+    net = json.loads((tmp_path / "out" / "results.json").read_text())["meta"]["network"]
+    assert net["rate"] == "1gbit" and net["measured_stream_bps"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=f"cluster benchmark unavailable: {NO_CLUSTER}")
+@pytest.mark.timeout(120)
+def test_cluster_benchmark_cleans_up_when_terminated(tmp_path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.cluster", "--sizes", "100MB", "--workers", "2", "--repeats", "50",
+         "--no-progress", "--time-limit", "90", "--subnet", "198.18.202.0/24", "--out", str(tmp_path / "out")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    tag = f"ob{proc.pid}"
+    try:
+        deadline = time.monotonic() + 60
+        # Wait until the rank processes run inside the namespaces, then interrupt.
+        while time.monotonic() < deadline:
+            ns = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                  if n.startswith(tag)]
+            if len(ns) == 3 and all(
+                subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.strip() for n in ns
+            ):
+                break
+            assert proc.poll() is None, proc.communicate()[0]
+            time.sleep(0.2)
+        else:
+            pytest.fail("the benchmark did not start its processes in the namespaces")
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    left = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            if n.startswith(tag)]
+    links = [ln for ln in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+             .splitlines() if f" {tag}" in ln]
+    assert left == [] and links == [], output
+
+def test_gather_view_and_scatter_slice_for_consecutive_blocks() -> None:
+    layout = Layout(10 * 8 + 3, 8, 4, 2)  # 11 blocks, the last one 3 elements
+    x = np.arange(layout.length, dtype=np.float32)
+    for ids in (np.array([2, 3, 4]), np.array([8, 9, 10]), np.array([5])):
+        view = blocks.gather(x, ids, layout, copy=False)
+        assert np.shares_memory(view, x)
+        np.testing.assert_array_equal(view, blocks.gather(x, ids, layout))
+        out = np.zeros_like(x)
+        blocks.scatter(out, ids, view, layout)
+        ref = np.zeros_like(x)
+        for i in ids:
+            ref[i * 8 : (i + 1) * 8] = x[i * 8 : (i + 1) * 8]
+        np.testing.assert_array_equal(out, ref)
+    for ids in (np.array([4, 2, 3]), np.array([1, 3]), np.array([0, 2, 1, 3])):
+        assert not np.shares_memory(blocks.gather(x, ids, layout, copy=False), x)
+    assert blocks.contiguous_start(np.array([7, 8, 9])) == 7
+    assert blocks.contiguous_start(np.array([9, 7, 8])) is None
+    assert blocks.contiguous_start(np.array([], dtype=np.int64)) is None
+
+
+def test_lazy_zeros() -> None:
+    sparse = lazy_zeros(1 << 21, np.float32, written=0.05)
+    dense = lazy_zeros(1 << 21, np.float32, written=0.9)
+    small = lazy_zeros(100, np.float64, written=0.0)
+    for a, n, dt in ((sparse, 1 << 21, np.float32), (dense, 1 << 21, np.float32), (small, 100, np.float64)):
+        assert a.shape == (n,) and a.dtype == dt and a.flags.writeable and not a.any()
+    assert sparse.base is not None and dense.base is None  # a mapping only where few pages are written
+    sparse[12345] = 1.5
+    assert sparse.sum() == 1.5
+
+
+def _drive(inputs: list[np.ndarray], layout: Layout, dtype: DType, inplace: bool) -> list[WorkerOp]:
+    engine = Engine()
+    ops = [WorkerOp("j", r, len(inputs), 0, x, dtype, layout, inplace=inplace) for r, x in enumerate(inputs)]
+    queue = [(bytes([r]), op.start()) for r, op in enumerate(ops)]
+    while queue:
+        peer, frames = queue.pop(0)
+        for dest, out in engine.handle(peer, frames):
+            msg, data = decode(out)
+            reply = ops[dest[0]].on_result(msg, data)
+            if reply is not None:
+                queue.append((dest, reply))
+    assert all(op.done for op in ops) and engine.active_ops == 0
+    return ops
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.FLOAT64, DType.FLOAT16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dense_and_sparse_workers_mixed_sum_exactly(dtype: DType, inplace: bool) -> None:
+    # A dense worker, a sparse one and an empty one: rounds mix whole payloads (summed in
+    # one pass) with partial ones (summed by row), and the short last block is in play.
+    rng = np.random.default_rng(7)
+    layout = Layout(40 * 16 + 5, 16, 8, 2)
+    st = dtype.storage
+    dense = rng.integers(-9, 10, layout.length).astype(st)
+    sparse = make_tensor(layout.length, 0.2, 16, rng).astype(st)
+    inputs = [dense, sparse, np.zeros(layout.length, st)]
+    want = sum(x.astype(np.float64) for x in inputs)
+    ops = _drive([x.copy() for x in inputs] if inplace else inputs, layout, dtype, inplace)
+    for op in ops:
+        np.testing.assert_array_equal(op.out.astype(np.float64), want)
+        assert (op.out is op.flat) == inplace
+    assert ops[0].out.tobytes() == ops[1].out.tobytes() == ops[2].out.tobytes()
+
+
+def test_single_worker_dense_result_is_its_input() -> None:
+    layout = Layout(64 * 8, 8, 8, 2)
+    x = np.random.default_rng(3).standard_normal(layout.length).astype(np.float32)
+    (op,) = _drive([x], layout, DType.FLOAT32, inplace=False)
+    np.testing.assert_array_equal(op.out, x)
+
+
+def test_inplace_needs_a_writeable_tensor() -> None:
+    x = np.ones(64, np.float32)
+    x.flags.writeable = False
+    with pytest.raises(ConfigError, match="writeable"):
+        WorkerOp("j", 0, 1, 0, x, DType.FLOAT32, Layout(64, 8, 8, 1), inplace=True)

@@ -172,3 +172,34 @@ def test_torch_tensors_keep_type_shape_and_dtype(aggregator: Aggregator) -> None
         out = results[0][i]
         assert isinstance(out, torch.Tensor) and out.dtype == dt and out.shape == (3, 50)
         torch.testing.assert_close(out, inputs[0][i] + inputs[1][i], rtol=0, atol=0)
+
+
+def test_inplace_and_out_write_the_sum_where_asked(aggregator: Aggregator) -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    arrays = [sparse(rng, 40_000, 0.05).reshape(200, 200) for _ in range(2)]
+    tensors = [torch.from_numpy(sparse(rng, 3000, 0.1)).reshape(30, 100) for _ in range(2)]
+    expect_a, expect_t = arrays[0] + arrays[1], tensors[0] + tensors[1]
+    bufs = [np.zeros(40_000, np.float32) for _ in range(2)]
+
+    def rank(r: int) -> tuple[Any, ...]:
+        with Worker(aggregator.address, rank=r, world_size=2, job="inplace", timeout=20) as w:
+            a = w.allreduce(arrays[r].copy(), inplace=True)
+            t = tensors[r].clone()
+            t_out = w.allreduce(t, inplace=True)
+            o = w.allreduce(arrays[r], out=bufs[r])
+            # Refused before the op is numbered, so the ranks stay in step afterwards.
+            with pytest.raises(ConfigError, match="contiguous"):
+                w.allreduce(t.t(), inplace=True)
+            with pytest.raises(ConfigError, match="out must be"):
+                w.allreduce(arrays[r], out=np.zeros(5, np.float32))
+            after = w.allreduce(arrays[r])
+            return a, t, t_out, o, after
+
+    for r, (a, t, t_out, o, after) in enumerate(run_ranks(2, rank)):
+        np.testing.assert_array_equal(a, expect_a)
+        assert t_out is t
+        torch.testing.assert_close(t, expect_t, rtol=0, atol=0)
+        assert np.shares_memory(o, bufs[r]) and o.shape == (200, 200)
+        np.testing.assert_array_equal(o, expect_a)
+        np.testing.assert_array_equal(after, expect_a)

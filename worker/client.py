@@ -103,6 +103,7 @@ class _Submission:
     length: int
     inplace: bool = False
     data: CudaOpData | None = None
+    out: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -244,7 +245,7 @@ class Worker:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def allreduce_async(self, x: Any, inplace: bool = False) -> Future:
+    def allreduce_async(self, x: Any, inplace: bool = False, out: np.ndarray | None = None) -> Future:
         """Starts a sum over all workers of the job; returns a future of the result.
 
         Ops are numbered in call order, so every worker must call in the same order.
@@ -256,6 +257,9 @@ class Worker:
                 Of a CUDA tensor only the nonzero blocks are copied to the host.
             inplace: write the sum into ``x`` itself and return ``x`` (CPU tensors only);
                 saves allocating and zeroing the result.
+            out: a zero-filled, writeable, flat NumPy array of ``x``'s length and
+                storage type (uint16 for bfloat16) to write the sum into, instead of
+                a new array; the result is then a view of it (CPU tensors only).
 
         Returns:
             A future of an array or tensor of ``x``'s type, shape and dtype.
@@ -266,8 +270,8 @@ class Worker:
         """
         data: CudaOpData | None = None
         if is_cuda_tensor(x):
-            if inplace:
-                raise ConfigError("an in-place allreduce of a CUDA tensor is not supported")
+            if inplace or out is not None:
+                raise ConfigError("an in-place allreduce or out= of a CUDA tensor is not supported")
             data = CudaOpData(x, self.block_size)
             flat, dtype, length = None, data.dtype, data.length
             restore: Any = lambda _out: data.finish()  # noqa: E731
@@ -278,22 +282,27 @@ class Worker:
                 raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
             if inplace:
                 restore = lambda _out: x  # noqa: E731
+            if out is not None and (
+                not isinstance(out, np.ndarray) or out.shape != (length,)
+                or out.dtype != np.dtype(dtype.storage) or not out.flags.writeable
+            ):
+                raise ConfigError(f"out must be a writeable flat {np.dtype(dtype.storage)} array of {length} elements")
         fut: Future = Future()
         with self._submit_lock:
             if self._closed or self._dead is not None:
                 raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed") from self._dead
             op = next(self._op_counter)
-            self._submissions.put(_Submission(op, flat, dtype, restore, fut, length, inplace, data))
+            self._submissions.put(_Submission(op, flat, dtype, restore, fut, length, inplace, data, out))
         self._wake()
         return fut
 
-    def allreduce(self, x: Any, inplace: bool = False) -> Any:
+    def allreduce(self, x: Any, inplace: bool = False, out: np.ndarray | None = None) -> Any:
         """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
 
         Raises:
             OmniReduceError: the op failed (mismatch, timeout, aggregator error, closed worker).
         """
-        return self.allreduce_async(x, inplace=inplace).result()
+        return self.allreduce_async(x, inplace=inplace, out=out).result()
 
     def close(self) -> None:
         """Stops the communication thread; pending ops fail with WorkerClosedError."""
@@ -473,7 +482,7 @@ class Worker:
                 layout = Layout(sub.length, self.block_size, self.message_blocks, self.streams)
                 state = WorkerOp(
                     self.job, self.rank, self.world_size, sub.op, sub.flat, sub.dtype, layout,
-                    inplace=sub.inplace, data=sub.data,
+                    inplace=sub.inplace, data=sub.data, out=sub.out,
                 )
                 frames = state.start()
             except OmniReduceError as e:

@@ -79,6 +79,8 @@ class WorkerOp:
             the union of every worker's nonzero blocks are zero in ``flat`` already.
         data: the data path of a device tensor (:class:`worker.cuda.CudaOpData`):
             the op takes its mask and blocks from it and hands it the results.
+        out: a zero-filled, writeable flat array of the input's length and storage
+            type to write the sum into (e.g. a slice of a larger result).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class WorkerOp:
         layout: Layout,
         inplace: bool = False,
         data: Any = None,
+        out: np.ndarray | None = None,
     ) -> None:
         self.job = job
         self.rank = rank
@@ -105,6 +108,13 @@ class WorkerOp:
         if data is not None:
             mask = data.mask
             self.out = data.out
+        elif out is not None:
+            if out.shape != (layout.length,) or out.dtype != np.dtype(dtype.storage) or not out.flags.writeable:
+                raise ConfigError(
+                    f"out must be a writeable flat {np.dtype(dtype.storage)} array of {layout.length} elements"
+                )
+            mask = blocks.block_mask(flat, layout.block_size)
+            self.out = out
         elif inplace:
             if not flat.flags.writeable:
                 raise ConfigError("an in-place allreduce needs a writeable tensor")

@@ -30,7 +30,7 @@ from aggregator.jobs import Job, Jobs, Refused
 from aggregator.limits import Counters, Limits, RateLimitedLog
 from omnireduce import blocks
 from omnireduce.dtypes import DType, from_accumulator, to_accumulator
-from omnireduce.errors import OmniReduceError, ProtocolError
+from omnireduce.errors import ConfigError, OmniReduceError, ProtocolError
 from omnireduce.layout import INF, Layout
 from omnireduce.protocol import (
     Blocks,
@@ -57,8 +57,18 @@ _TOMBSTONES = 1024
 # Python objects of one stream and one op beyond their arrays: an estimate for the byte caps.
 _STREAM_OVERHEAD = 512
 _OP_OVERHEAD = 2048
+# Batch recommendations are sent to jobs of at most this many ranks (they ride in a header).
+_MAX_BALANCE_WORLD = 4096
 # Ranks listed in an error's text; the error's ranks field has all of them.
 _RANKS_IN_TEXT = 16
+
+
+def _params(msg: Start) -> tuple[Any, ...]:
+    """What every worker of an op must agree on."""
+    return (
+        msg.world_size, msg.length, msg.dtype, msg.block_size, msg.message_blocks, msg.streams,
+        msg.weight is not None,
+    )
 
 
 class _OpFailed(OmniReduceError):
@@ -102,6 +112,10 @@ class _Op:
     generation: int = 0
     # Bytes counted against the job's and the aggregator's caps (tables + held frames).
     held: int = 0
+    # Weighted ops: each rank's weight (its sample count); the sums are divided by their total.
+    weights: np.ndarray | None = None
+    # Seconds each rank computed before the op (NaN: not reported), for batch balancing.
+    compute: np.ndarray | None = None
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -118,6 +132,8 @@ class Engine:
             TIMEOUT, naming the ranks it still waits for; None waits forever.
         clock: monotonic time source (tests substitute their own).
         limits: caps on what peers can make the engine hold; defaults otherwise.
+        balance_smoothing: the fraction of a job's smoothed worker speeds kept at
+            each weighted op (0: use only the latest op's speeds).
     """
 
     def __init__(
@@ -125,7 +141,11 @@ class Engine:
         timeout: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         limits: Limits | None = None,
+        balance_smoothing: float = 0.5,
     ) -> None:
+        if not 0.0 <= balance_smoothing < 1.0:
+            raise ConfigError(f"balance_smoothing must be in [0, 1), got {balance_smoothing}")
+        self.balance_smoothing = balance_smoothing
         self.timeout = timeout
         self._clock = clock
         self.limits = limits or Limits()
@@ -388,8 +408,7 @@ class Engine:
                             "column pointers")
         op = _Op(
             job=msg.job, op=msg.op, world_size=msg.world_size, layout=layout, dtype=dtype,
-            params=(msg.world_size, msg.length, msg.dtype, msg.block_size, msg.message_blocks, msg.streams),
-            started=self._clock(), peers=[None] * msg.world_size,
+            params=_params(msg), started=self._clock(), peers=[None] * msg.world_size,
             nextp=_EMPTY_INDEX, streams=[], streams_left=layout.num_streams, generation=j.generation,
         )
         # Reserve the tables before allocating them, so a huge layout is refused, not attempted.
@@ -404,12 +423,12 @@ class Engine:
 
     def _on_start(self, peer: bytes, j: Job, msg: Start, data: list[Any]) -> list[Outgoing]:
         key = (msg.job, msg.op)
-        params = (msg.world_size, msg.length, msg.dtype, msg.block_size, msg.message_blocks, msg.streams)
+        params = _params(msg)
         op = self._ops.get(key)
         if op is None:
             op = self._new_op(j, msg, data)
         elif params != op.params:
-            names = ("world_size", "length", "dtype", "block_size", "message_blocks", "streams")
+            names = ("world_size", "length", "dtype", "block_size", "message_blocks", "streams", "weighted")
             joined = [r for r, p in enumerate(op.peers) if p is not None]
             # Lower ranks' values first, so the text does not depend on who arrived first.
             groups = [joined, [msg.rank]]
@@ -438,11 +457,20 @@ class Engine:
         self._check_pointers(op, first, cols, _EMPTY_INDEX, msg.rank)
         op.nextp[msg.rank] = first
         op.peers[msg.rank] = peer
+        if msg.weight is not None:
+            if op.weights is None:
+                op.weights = np.zeros(op.world_size)
+            op.weights[msg.rank] = msg.weight
+        if msg.compute is not None:
+            if op.compute is None:
+                op.compute = np.full(op.world_size, np.nan)
+            op.compute[msg.rank] = msg.compute
         if any(p is None for p in op.peers):
             return []
+        batches = self._balance(j, op)
         out: list[Outgoing] = []
         for s in op.streams:
-            out += self._advance(op, s, np.empty(0, dtype=op.dtype.storage))
+            out += self._advance(op, s, np.empty(0, dtype=op.dtype.storage), batches if s.index == 0 else None)
         self.counters.rounds += len(op.streams)
         if op.streams_left == 0:
             self._retire(op)
@@ -459,7 +487,28 @@ class Engine:
         if not ok.all():
             raise _OpFailed(ErrorCode.PROTOCOL, f"rank {rank} sent block pointers outside its columns", [rank])
 
-    def _advance(self, op: _Op, s: _Stream, payload: np.ndarray) -> list[Outgoing]:
+    def _balance(self, j: Job, op: _Op) -> list[float] | None:
+        """The recommended batch per rank, once every rank of a weighted op reported its compute time.
+
+        A rank's speed is its samples over its compute seconds; speeds are smoothed
+        over ops (exponentially, ``balance_smoothing`` of the old value kept) so one
+        noisy step does not swing the batches, and the op's total weight (the global
+        batch) is split in proportion to them.
+        """
+        if op.weights is None or op.compute is None or op.world_size > _MAX_BALANCE_WORLD:
+            return None
+        if not (np.isfinite(op.compute).all() and (op.compute > 0).all()):
+            return None
+        speed = op.weights / op.compute
+        if j.speeds is None or len(j.speeds) != op.world_size:
+            j.speeds = speed
+        else:
+            j.speeds = self.balance_smoothing * j.speeds + (1.0 - self.balance_smoothing) * speed
+        return (j.speeds / j.speeds.sum() * op.weights.sum()).tolist()
+
+    def _advance(
+        self, op: _Op, s: _Stream, payload: np.ndarray, batches: list[float] | None = None
+    ) -> list[Outgoing]:
         """Sends the last round's sums and the next instruction, and sets up the next round."""
         table = op.nextp[:, s.cols]
         cur = table.min(axis=0) if len(table) else _EMPTY_INDEX
@@ -467,7 +516,7 @@ class Engine:
         s.match = (table == cur) & active
         s.expected = set(np.flatnonzero(s.match.any(axis=1)).tolist())
         s.received = {}
-        frames = encode(Result(op.job, op.op, s.index, s.round), cur, payload)
+        frames = encode(Result(op.job, op.op, s.index, s.round, batches), cur, payload)
         s.cur = cur
         if not active.any():
             s.done = True
@@ -549,10 +598,14 @@ class Engine:
         for rank in sorted(s.received):
             sel, ptrs, payload = s.received[rank]
             op.nextp[rank, sel + s.cols.start] = ptrs
+            # A weighted op sums weight * blocks (a weight of 1 is skipped: plain sums stay bit-identical).
+            w = 1.0 if op.weights is None else float(op.weights[rank])
             if aligned and len(sel) == k:
                 vals = payload.reshape(k, b)
                 if vals.dtype != acc_type:
                     vals = to_accumulator(vals, op.dtype)
+                if w != 1.0:
+                    vals = np.multiply(vals, acc_type.type(w), dtype=acc_type)
                 if acc is not None:
                     acc += vals
                 elif first is None:
@@ -571,6 +624,8 @@ class Engine:
             for sl, view in blocks.split_payload(payload, s.cur[sel], layout):
                 # to_accumulator copies even when the types agree.
                 vals = view if view.dtype == acc_type else to_accumulator(view, op.dtype)
+                if w != 1.0:
+                    vals = np.multiply(vals, acc_type.type(w), dtype=acc_type)
                 if view.shape[1] == b:
                     acc[rows[sl]] += vals
                 else:
@@ -578,6 +633,9 @@ class Engine:
         if acc is None:
             # One whole payload is its own sum: sent back as received, without a copy.
             acc = first if first is not None else np.zeros((k, b), dtype=acc_type)
+        if op.weights is not None:
+            # Divided, not multiplied by the inverse: equal weights give the plain mean's bits.
+            acc = np.divide(acc, acc_type.type(op.weights.sum()), dtype=acc_type)
         summed = from_accumulator(acc, op.dtype)
         if aligned:
             out = summed.reshape(-1)

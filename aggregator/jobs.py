@@ -14,6 +14,8 @@ import hmac
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from aggregator.limits import Limits
 from omnireduce.errors import OmniReduceError
 from omnireduce.protocol import Blocks, ErrorCode, Hello, Start
@@ -57,6 +59,8 @@ class Job:
     ops: set[int] = field(default_factory=set)
     #: bytes its ops in flight hold.
     held: int = 0
+    #: smoothed samples per second of each rank (weighted ops with compute times), for batch balancing.
+    speeds: np.ndarray | None = None
 
 
 @dataclass(slots=True)

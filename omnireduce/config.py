@@ -25,7 +25,7 @@ Security settings (all optional; see :mod:`omnireduce.auth` and ``omnireduce-key
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from omnireduce.errors import ConfigError
@@ -58,6 +58,7 @@ __all__ = [
     "resolve",
     "resolve_optional",
     "resolve_generation",
+    "split_addresses",
 ]
 
 #: Aggregator address a worker connects to, e.g. ``tcp://198.18.0.2:5555``.
@@ -160,3 +161,18 @@ def resolve_generation(value: int | None) -> int:
     if type(generation) is not int or generation < 0:
         raise ConfigError(f"generation must be a non-negative integer, got {generation!r}")
     return generation
+
+
+def split_addresses(value: str | Sequence[str]) -> list[str]:
+    """The aggregator endpoints in an address setting: a list or tuple, or a comma-separated string.
+
+    ``"tcp://a:5555, tcp://b:5555"`` and ``["tcp://a:5555", "tcp://b:5555"]`` both
+    name two aggregator shards; empty items and surrounding spaces are dropped.
+
+    Raises:
+        ConfigError: an item is not a string.
+    """
+    items = value.split(",") if isinstance(value, str) else list(value)
+    if not all(isinstance(a, str) for a in items):
+        raise ConfigError(f"aggregator addresses must be strings, got {value!r}")
+    return [a.strip() for a in items if a.strip()]

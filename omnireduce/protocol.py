@@ -26,6 +26,7 @@ little-endian.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, fields
 from enum import IntEnum
@@ -62,7 +63,8 @@ __all__ = [
 assert sys.byteorder == "little", "omnireduce's wire format assumes a little-endian host"
 
 #: 2: HELLO, job tokens and generations, more error codes.
-PROTOCOL_VERSION = 2
+#: 3: weighted ops and compute-time reports in START, batch recommendations in RESULT.
+PROTOCOL_VERSION = 3
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
 MAX_HEADER_BYTES = 4096
@@ -125,6 +127,10 @@ class Hello:
 class Start:
     """Round 0 of an op: the worker joins it and reports every column's first nonzero block.
 
+    ``weight`` (the worker's sample count, for a weighted mean; None for a plain sum:
+    all workers of an op must agree) and ``compute`` (seconds the worker computed
+    since its previous op, for batch balancing; None if not measured) are optional.
+
     Frames: the first nonzero block index of every column (int64, INF if none).
     """
 
@@ -138,6 +144,8 @@ class Start:
     block_size: int
     message_blocks: int
     streams: int
+    weight: float | None = None
+    compute: float | None = None
 
 
 @dataclass(slots=True)
@@ -163,6 +171,10 @@ class Result:
     Frames: the next instruction, one block index per column of the stream
     (int64, INF where the column is finished), then the summed payload of the
     columns instructed in the previous round (empty after round 0).
+
+    ``batches``, in round 0 of stream 0 only, is the aggregator's recommended
+    batch size per rank (floats summing to the op's total weight), from the ranks'
+    measured speeds; None when not every rank reported its weight and compute time.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.RESULT
@@ -170,6 +182,7 @@ class Result:
     op: int
     stream: int
     round: int
+    batches: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -239,6 +252,18 @@ def _check_int(name: str, v: Any, optional: bool = False) -> None:
         raise ProtocolError(f"header field {name!r} must be a non-negative integer, got {_short(v)}")
 
 
+def _is_real(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _check_real(name: str, v: Any, positive: bool) -> None:
+    if v is None:
+        return
+    if not _is_real(v) or v < 0 or (positive and v == 0):
+        kind = "positive" if positive else "non-negative"
+        raise ProtocolError(f"header field {name!r} must be a finite {kind} number or nil, got {_short(v)}")
+
+
 def _check_str(name: str, v: Any, limit: int, empty: bool) -> None:
     if not isinstance(v, str) or len(v) > limit or (not v and not empty):
         raise ProtocolError(
@@ -295,7 +320,7 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
         raise ProtocolError(f"{cls.__name__} header: missing fields {missing}, unexpected fields {_short(extra)}")
     _check_str("job", header["job"], MAX_NAME, empty=False)
     for name in names:
-        if name in ("job", "message", "ranks", "token"):
+        if name in ("job", "message", "ranks", "token", "weight", "compute", "batches"):
             continue
         _check_int(name, header[name], optional=(cls is Error and name == "op"))
     if cls is Hello:
@@ -309,6 +334,12 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
         for name in ("block_size", "message_blocks", "streams"):
             if header[name] < 1:
                 raise ProtocolError(f"header field {name!r} must be positive")
+        _check_real("weight", header["weight"], positive=True)
+        _check_real("compute", header["compute"], positive=False)
+    if cls is Result and header["batches"] is not None:
+        b = header["batches"]
+        if not isinstance(b, list) or not all(_is_real(v) and v >= 0 for v in b):
+            raise ProtocolError(f"RESULT header has bad batches {_short(b)}")
     if cls is Error:
         if not isinstance(header["message"], str) or not isinstance(header["ranks"], list):
             raise ProtocolError("ERROR header has an ill-typed message or ranks")

@@ -45,17 +45,24 @@ def run_allreduce(
     op: int = 0,
     engine: Engine | None = None,
     shuffle: random.Random | None = None,
+    weights: list[float] | None = None,
+    compute: list[float] | None = None,
 ) -> tuple[list[np.ndarray], list[WorkerOp], Engine]:
     """Runs one op among ``len(inputs)`` workers; returns every worker's output.
 
     Args:
         shuffle: when given, delivers pending messages in a random order (as
             streams and workers interleave on a real network).
+        weights: each worker's weight, for a weighted op.
+        compute: each worker's reported compute seconds.
     """
     engine = engine or Engine()
     world = len(inputs)
     ops = [
-        WorkerOp(job, r, world, op, x, dtype, Layout(len(x), block_size, message_blocks, streams))
+        WorkerOp(
+            job, r, world, op, x, dtype, Layout(len(x), block_size, message_blocks, streams),
+            weight=None if weights is None else weights[r], compute=None if compute is None else compute[r],
+        )
         for r, x in enumerate(inputs)
     ]
     to_agg: list[tuple[bytes, list[bytes]]] = [(peer_of(r), wire(w.start())) for r, w in enumerate(ops)]

@@ -71,6 +71,16 @@ def test_ddp_hook_matches_gloo(agg, tmp_path, world: int, case: str) -> None:
         torch.testing.assert_close(res["got"], results[0]["got"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_weighted_gradients_equal_the_global_batch_gradient(agg, tmp_path, world: int) -> None:
+    for res in run_ranks("weighted_case", world, tmp_path, agg.address):
+        torch.testing.assert_close(res["hook"], res["expected"])
+        torch.testing.assert_close(res["backend"], res["expected"])
+        # The bias the weights remove: plain averaging of unequal batches is a different model.
+        gap = max(float((a - b).abs().max()) for a, b in zip(res["unweighted"], res["expected"], strict=True))
+        assert gap > 1e-3
+
+
 def test_hook_traffic_is_a_fraction_of_dense(agg, tmp_path) -> None:
     (res, _) = run_ranks("ddp_case", 2, tmp_path, agg.address, "traffic")
     stats = res["stats"]

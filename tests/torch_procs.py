@@ -170,6 +170,74 @@ def backend_case(rank: int, world: int, address: str, steps: int = 4) -> dict[st
     return out
 
 
+def weighted_case(rank: int, world: int, address: str, steps: int = 3) -> dict[str, Any]:
+    """Ranks with unequal batches (8, 16, 24, ...): DDP with samples-weighted gradients and an
+    omnireduce process group with a weighted AVG, against one model trained on the global batch."""
+    import os
+
+    import worker.backend  # noqa: F401 - registers the backend
+    from worker import Worker
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    sizes = [8 * (r + 1) for r in range(world)]
+
+    def loss_on(model: nn.Module, r: int, step: int) -> torch.Tensor:
+        idx, off, y = batch(r, step, n=sizes[r])
+        return nn.functional.binary_cross_entropy_with_logits(model(idx, off), y, reduction="sum")
+
+    # The reference: the mean loss over every rank's samples, in one process.
+    ref = _model()
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(steps):
+        opt_ref.zero_grad()
+        (sum(loss_on(ref, r, step) for r in range(world)) / sum(sizes)).backward()
+        opt_ref.step()
+    out: dict[str, Any] = {"expected": [p.detach().clone() for p in ref.parameters()]}
+
+    def train(ddp: DDP, set_samples: Any) -> list[torch.Tensor]:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        for step in range(steps):
+            opt.zero_grad()
+            set_samples(sizes[rank])
+            # Each rank's loss is the mean over its own batch, as in any training loop.
+            (loss_on(ddp, rank, step) / sizes[rank]).backward()
+            opt.step()
+        return [p.detach().clone() for p in ddp.module.parameters()]
+
+    with Worker(address, rank=rank, world_size=world, job=f"weighted-{world}", timeout=30) as w:
+        state = OmniReduceState(w)
+        ours = DDP(_model(), bucket_cap_mb=0.01)
+        ours.register_comm_hook(state, omnireduce_hook)
+        out["hook"] = train(ours, lambda n: setattr(state, "samples", n))
+        # Without the weights, the plain average of per-rank means: biased towards small batches.
+        state.samples = None
+        plain = DDP(_model(), bucket_cap_mb=0.01)
+        plain.register_comm_hook(OmniReduceState(w), omnireduce_hook)
+        opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+        for step in range(steps):
+            opt.zero_grad()
+            (loss_on(plain, rank, step) / sizes[rank]).backward()
+            opt.step()
+        out["unweighted"] = [p.detach().clone() for p in plain.module.parameters()]
+    os.environ["OMNIREDUCE_ADDRESS"] = address
+    group = dist.new_group(backend="omnireduce")
+    # The backend's constructor returns a ProcessGroup, which torch hands back as the group.
+    assert isinstance(group, worker.backend.OmniReduceProcessGroup), type(group)
+    # DDP's own allreduce divides by the world size and SUMs; a weighted AVG is the
+    # backend's, used here as a loop without DDP would.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(steps):
+        opt.zero_grad()
+        (loss_on(model, rank, step) / sizes[rank]).backward()
+        group.set_samples(sizes[rank])
+        for p in model.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+        opt.step()
+    out["backend"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
 def entry(fn_name: str, rank: int, world: int, init_file: str, results: Any, args: tuple) -> None:
     """Process entry: joins the gloo group, runs one case, puts (rank, result or traceback)."""
     try:

@@ -54,6 +54,12 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         rank: this process's rank.
         world_size: the number of processes.
         worker: the connected worker of this rank (owned and closed by the group).
+
+    Attributes:
+        samples: this rank's sample count for the current step, or None. When set,
+            ``all_reduce`` with AVG is the mean weighted by every rank's samples
+            (``sum(samples_i * t_i) / sum(samples_i)``): replicas with unequal
+            batches then average to the gradient of the global batch.
     """
 
     def __init__(self, rank: int, world_size: int, worker: Worker) -> None:
@@ -61,6 +67,11 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         self._rank = rank
         self._world = world_size
         self.worker = worker
+        self.samples: float | None = None
+
+    def set_samples(self, samples: float | None) -> None:
+        """Sets :attr:`samples` (None: plain averages again)."""
+        self.samples = samples
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
@@ -115,14 +126,16 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                 raise OmniReduceError(f"the omnireduce backend's all_reduce supports float tensors, not {t.dtype}")
             if t.device.type != "cpu":
                 raise OmniReduceError(f"the omnireduce backend's all_reduce supports CPU tensors, not {t.device}")
-            average = op == dist.ReduceOp.AVG
+            # A weighted AVG is divided by the total weight in the aggregator.
+            weight = self.samples if op == dist.ReduceOp.AVG else None
+            average = op == dist.ReduceOp.AVG and weight is None
 
             def finish(out: torch.Tensor, t: torch.Tensor = t, average: bool = average) -> None:
                 t.copy_(out.view(t.shape))
                 if average:
                     t.div_(self._world)
 
-            parts.append((self.worker.allreduce_async(t), finish))
+            parts.append((self.worker.allreduce_async(t, weight=weight), finish))
         return self._work(parts, tensors, "all_reduce")
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:

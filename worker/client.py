@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -104,6 +105,8 @@ class _Submission:
     inplace: bool = False
     data: CudaOpData | None = None
     out: np.ndarray | None = None
+    weight: float | None = None
+    compute: float | None = None
 
 
 @dataclass(slots=True)
@@ -147,6 +150,20 @@ class Worker:
         with Worker("tcp://127.0.0.1:5555", rank=0, world_size=2, job="demo") as w:
             y = w.allreduce(x)
     """
+
+    def __new__(cls, address: str | list[str] | tuple[str, ...] | None = None, *args: Any, **kwargs: Any) -> Worker:
+        """Makes a :class:`worker.sharded.ShardedWorker` when ``address`` (or, when it is None,
+        ``$OMNIREDUCE_ADDRESS``) names several aggregator shards: a list or tuple, or a
+        comma-separated string. One address makes a plain Worker; Python then calls the
+        ``__init__`` of whichever class this returns.
+        """
+        if cls is Worker:
+            value = address if address is not None else os.environ.get(config.OMNIREDUCE_ADDRESS)
+            if isinstance(value, (list, tuple)) or (isinstance(value, str) and "," in value):
+                from worker.sharded import ShardedWorker  # imports this module: not at the top
+
+                return super().__new__(ShardedWorker)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -236,6 +253,10 @@ class Worker:
         self._submit_lock = threading.Lock()
         self._closed = False
         self._dead: BaseException | None = None
+        # Ops submitted and not finished, and since when none has been: the compute time.
+        self._outstanding = 0
+        self._idle_since: float | None = None
+        self._batches: list[float] | None = None
         self._thread = threading.Thread(target=self._run, name=f"omnireduce-worker-r{self.rank}", daemon=True)
         self._thread.start()
 
@@ -245,7 +266,14 @@ class Worker:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def allreduce_async(self, x: Any, inplace: bool = False, out: np.ndarray | None = None) -> Future:
+    def allreduce_async(
+        self,
+        x: Any,
+        inplace: bool = False,
+        out: np.ndarray | None = None,
+        weight: float | None = None,
+        compute_time: float | None = None,
+    ) -> Future:
         """Starts a sum over all workers of the job; returns a future of the result.
 
         Ops are numbered in call order, so every worker must call in the same order.
@@ -260,6 +288,13 @@ class Worker:
             out: a zero-filled, writeable, flat NumPy array of ``x``'s length and
                 storage type (uint16 for bfloat16) to write the sum into, instead of
                 a new array; the result is then a view of it (CPU tensors only).
+            weight: this worker's sample count: the result is then the weighted mean
+                ``sum(weight_i * x_i) / sum(weight_i)`` (summed in the aggregator's
+                accumulator type). Every worker of the op must give one, or none.
+            compute_time: seconds this worker computed for those samples, reported
+                for batch balancing (:attr:`recommended_batches`). By default, for a
+                weighted op submitted while no other op is in flight, the time since
+                this worker's last op finished.
 
         Returns:
             A future of an array or tensor of ``x``'s type, shape and dtype.
@@ -268,6 +303,11 @@ class Worker:
             ConfigError: ``x`` is not supported, or ``inplace`` is asked of a tensor
                 that is not contiguous, writeable host memory.
         """
+        for name, v, positive in (("weight", weight, True), ("compute_time", compute_time, False)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, np.number))
+                                  or not math.isfinite(v) or v < 0 or (positive and v == 0)):
+                raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
+                                  f"got {v!r}")
         data: CudaOpData | None = None
         if is_cuda_tensor(x):
             if inplace or out is not None:
@@ -292,17 +332,48 @@ class Worker:
             if self._closed or self._dead is not None:
                 raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed") from self._dead
             op = next(self._op_counter)
-            self._submissions.put(_Submission(op, flat, dtype, restore, fut, length, inplace, data, out))
+            if weight is not None and compute_time is None and self._outstanding == 0 and self._idle_since is not None:
+                compute_time = time.monotonic() - self._idle_since
+            self._outstanding += 1
+            fut.add_done_callback(self._op_finished)
+            self._submissions.put(_Submission(
+                op, flat, dtype, restore, fut, length, inplace, data, out,
+                None if weight is None else float(weight), None if compute_time is None else float(compute_time),
+            ))
         self._wake()
         return fut
 
-    def allreduce(self, x: Any, inplace: bool = False, out: np.ndarray | None = None) -> Any:
+    def allreduce(
+        self,
+        x: Any,
+        inplace: bool = False,
+        out: np.ndarray | None = None,
+        weight: float | None = None,
+        compute_time: float | None = None,
+    ) -> Any:
         """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
 
         Raises:
             OmniReduceError: the op failed (mismatch, timeout, aggregator error, closed worker).
         """
-        return self.allreduce_async(x, inplace=inplace, out=out).result()
+        return self.allreduce_async(x, inplace=inplace, out=out, weight=weight, compute_time=compute_time).result()
+
+    @property
+    def recommended_batches(self) -> list[float] | None:
+        """The aggregator's latest recommended batch size per rank, or None.
+
+        Sent with every weighted op for which every rank reported a compute time:
+        the op's total weight (the global batch) split in proportion to the ranks'
+        smoothed speeds (samples per compute second). :mod:`worker.balance` turns
+        it into integer batch sizes.
+        """
+        return self._batches
+
+    def _op_finished(self, _fut: Future) -> None:
+        with self._submit_lock:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle_since = time.monotonic()
 
     def close(self) -> None:
         """Stops the communication thread; pending ops fail with WorkerClosedError."""
@@ -482,7 +553,7 @@ class Worker:
                 layout = Layout(sub.length, self.block_size, self.message_blocks, self.streams)
                 state = WorkerOp(
                     self.job, self.rank, self.world_size, sub.op, sub.flat, sub.dtype, layout,
-                    inplace=sub.inplace, data=sub.data, out=sub.out,
+                    inplace=sub.inplace, data=sub.data, out=sub.out, weight=sub.weight, compute=sub.compute,
                 )
                 frames = state.start()
             except OmniReduceError as e:
@@ -515,6 +586,8 @@ class Worker:
                     "worker rank %d of job %r: unexpected %s from the aggregator", self.rank, self.job, msg.TYPE.name
                 )
                 continue
+            if msg.batches is not None and len(msg.batches) == self.world_size:
+                self._batches = msg.batches
             p = pending.get(msg.op)
             if p is None:
                 logger.debug(

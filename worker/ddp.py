@@ -38,17 +38,24 @@ class OmniReduceState:
             switching the hook on changes no numbers beyond float rounding.
 
     Attributes:
+        samples: this rank's sample count in the current step, for replicas with
+            unequal batches: set it before ``backward()`` and the gradients are
+            weighted by each rank's share of the step's samples (the aggregator
+            computes ``sum(samples_i * grad_i) / sum(samples_i)``), which is the
+            gradient of the mean loss over the global batch. None (the default)
+            averages over ranks (with ``average``) or sums.
         error: the first error a bucket hit (None while all is well); once set,
             every later bucket fails at once with the same cause, so a loop can
             check ``state.error`` after catching the error from ``backward()``.
         buckets: buckets reduced so far.
     """
 
-    __slots__ = ("worker", "average", "error", "buckets", "_lock")
+    __slots__ = ("worker", "average", "samples", "error", "buckets", "_lock")
 
-    def __init__(self, worker: Worker, average: bool = True) -> None:
+    def __init__(self, worker: Worker, average: bool = True, samples: Optional[float] = None) -> None:
         self.worker = worker
         self.average = average
+        self.samples = samples
         self.error: Optional[BaseException] = None
         self.buckets = 0
         self._lock = threading.Lock()
@@ -82,7 +89,8 @@ def complete_torch_future(
             if out.numel() != target.numel():
                 # DDP does not check the result's size; a wrong one would corrupt silently.
                 raise OmniReduceError(f"result has {out.numel()} elements, expected {target.numel()}")
-            target.copy_(out.view(target.shape))
+            if out is not target:
+                target.copy_(out.view(target.shape))
         except BaseException as e:  # noqa: BLE001 - handed to the waiting backward()
             if state is not None:
                 state.record(e)
@@ -111,12 +119,14 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_exception(RuntimeError(f"omnireduce {what} skipped after an earlier failure: {state.error}"))
         return fut
-    if state.average and state.worker.world_size > 1:
+    weight = state.samples
+    if weight is None and state.average and state.worker.world_size > 1:
         # Divide before summing, as DDP's default hook does: it keeps a half-precision
         # sum of many ranks from overflowing.
         buf.div_(state.worker.world_size)
     try:
-        source = state.worker.allreduce_async(buf)
+        # A CPU bucket takes its sum in place: no result to allocate and copy back.
+        source = state.worker.allreduce_async(buf, inplace=not buf.is_cuda and buf.is_contiguous(), weight=weight)
     except BaseException as e:
         state.record(e)
         raise

@@ -81,6 +81,8 @@ class WorkerOp:
             the op takes its mask and blocks from it and hands it the results.
         out: a zero-filled, writeable flat array of the input's length and storage
             type to write the sum into (e.g. a slice of a larger result).
+        weight: this worker's weight (sample count) for a weighted mean; None for a sum.
+        compute: seconds of compute reported for batch balancing; None if not measured.
     """
 
     def __init__(
@@ -95,6 +97,8 @@ class WorkerOp:
         inplace: bool = False,
         data: Any = None,
         out: np.ndarray | None = None,
+        weight: float | None = None,
+        compute: float | None = None,
     ) -> None:
         self.job = job
         self.rank = rank
@@ -103,6 +107,10 @@ class WorkerOp:
         self.flat = flat
         self.dtype = dtype
         self.layout = layout
+        self.weight = weight
+        self.compute = compute
+        #: The aggregator's recommended batch per rank, if it sent one with this op.
+        self.batches: list[float] | None = None
         # A device tensor's data path (worker.cuda.CudaOpData): its mask, blocks and output live there.
         self._data = data
         if data is not None:
@@ -142,6 +150,7 @@ class WorkerOp:
             Start(
                 self.job, self.rank, self.world_size, self.op, self.layout.length, int(self.dtype),
                 self.layout.block_size, self.layout.message_blocks, self.layout.streams,
+                self.weight, self.compute,
             ),
             self._mynext,
         )
@@ -166,6 +175,8 @@ class WorkerOp:
             raise ProtocolError(
                 f"result for stream {s} round {msg.round} with {len(data)} frames; expected round {self._rounds[s]}"
             )
+        if msg.batches is not None:
+            self.batches = msg.batches
         self.stats.bytes_received += frames_nbytes(data)
         self.stats.messages_received += 1
         prev = self._cur[s]

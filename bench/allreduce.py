@@ -9,6 +9,7 @@ on stdout, ``results.json``, ``results.csv`` and ``results.png`` in ``--out``.
 Example::
 
     python -m bench.allreduce --sizes 100MB --workers 2 4 --repeats 10 --out bench/out
+    python -m bench.allreduce --shards 2 --systems omnireduce --out bench/out-shards   # two aggregator processes
 """
 
 from __future__ import annotations
@@ -38,11 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     with tempfile.TemporaryDirectory(prefix="omnireduce-bench-") as tmp:
-        listen = "tcp://127.0.0.1:0" if args.transport == "tcp" else f"ipc://{os.path.join(tmp, 'aggregator')}"
+        listens = [
+            "tcp://127.0.0.1:0" if args.transport == "tcp" else f"ipc://{os.path.join(tmp, f'aggregator{k}')}"
+            for k in range(args.shards)
+        ]
 
         def placement(w: int) -> Placement:
-            return Placement(listen=listen, rank_prefixes=[[] for _ in range(w)],
-                             rank_env=[{"GLOO_SOCKET_IFNAME": "lo"} for _ in range(w)])
+            return Placement(listen=listens[0], rank_prefixes=[[] for _ in range(w)],
+                             rank_env=[{"GLOO_SOCKET_IFNAME": "lo"} for _ in range(w)],
+                             shards=[(listen, []) for listen in listens])
 
         run(args, placement, args.out, f"allreduce on loopback ({args.transport})", {"network": "loopback"})
     return 0

@@ -1,6 +1,6 @@
 """The allreduce benchmark on an emulated cluster network (needs root and iproute2).
 
-Every worker and the aggregator run in their own network namespace, attached by a
+Every worker and every aggregator shard (``--shards``) run in their own network namespace, attached by a
 veth pair to one bridge, with both directions of every link shaped by ``tc`` (a
 token bucket at ``--rate``, optionally behind a netem delay): a star of full-duplex
 links, like hosts on one switch. Addresses are taken from ``--subnet``, which must
@@ -12,6 +12,7 @@ killed outright are removed by the next run.
 Example::
 
     python -m bench.cluster --rate 1gbit --workers 2 4 --sizes 100MB --out bench/out-cluster
+    python -m bench.cluster --shards 4 --systems omnireduce --out bench/out-cluster-4   # 4 aggregator hosts
 """
 
 from __future__ import annotations
@@ -117,19 +118,24 @@ class Topology:
         delay_us: one-way delay added to every link direction (netem), 0 for none.
         mtu: MTU of the links.
         aggregator_rate: rate of the aggregator's link; None gives it ``rate`` too.
+        aggregators: aggregator namespaces (shards), each with its own link at ``aggregator_rate``.
 
     Use as a context manager: the namespaces exist inside the ``with`` block and are
     removed when it exits, whatever the reason.
     """
 
     def __init__(self, workers: int, rate: str = "1gbit", subnet: str = "198.18.0.0/24",
-                 delay_us: int = 0, mtu: int = 1500, aggregator_rate: str | None = None) -> None:
+                 delay_us: int = 0, mtu: int = 1500, aggregator_rate: str | None = None,
+                 aggregators: int = 1) -> None:
         net = ipaddress.ip_network(subnet)
         if not net.subnet_of(BENCH_RANGE):  # type: ignore[arg-type]
             raise ValueError(f"subnet {subnet} is outside 198.18.0.0/15, the only range this benchmark may use")
         hosts = list(net.hosts())
-        if len(hosts) < workers + 1:
-            raise ValueError(f"subnet {subnet} has too few addresses for {workers} workers and an aggregator")
+        if aggregators < 1:
+            raise ValueError("at least one aggregator is needed")
+        if len(hosts) < workers + aggregators:
+            raise ValueError(f"subnet {subnet} has too few addresses for {workers} workers and {aggregators} "
+                             "aggregators")
         aggregator_rate = aggregator_rate or rate
         for r in (rate, aggregator_rate):
             if not re.fullmatch(r"\d+(\.\d+)?[kmg]?bit", r):
@@ -141,8 +147,12 @@ class Topology:
         self.prefixlen = net.prefixlen
         tag = f"ob{os.getpid()}"
         self.bridge = f"{tag}br"
-        self.nodes: list[tuple[str, str, str]] = [(f"{tag}-agg", f"{tag}ha", str(hosts[0]))]
-        self.nodes += [(f"{tag}-w{i}", f"{tag}h{i}", str(hosts[1 + i])) for i in range(workers)]
+        # Shard 0 keeps the single aggregator's names, so one shard is the topology it always was.
+        self.n_aggregators = aggregators
+        self.nodes: list[tuple[str, str, str]] = [
+            (f"{tag}-agg{k or ''}", f"{tag}ha{k or ''}", str(hosts[k])) for k in range(aggregators)
+        ]
+        self.nodes += [(f"{tag}-w{i}", f"{tag}h{i}", str(hosts[aggregators + i])) for i in range(workers)]
         self._created: list[tuple[str, str]] = []
 
     @property
@@ -151,9 +161,14 @@ class Topology:
         return self.nodes[0][0], self.nodes[0][2]
 
     @property
+    def aggregators(self) -> list[tuple[str, str]]:
+        """(namespace, address) of every aggregator shard."""
+        return [(ns, ip) for ns, _, ip in self.nodes[: self.n_aggregators]]
+
+    @property
     def workers(self) -> list[tuple[str, str]]:
         """(namespace, address) of every worker."""
-        return [(ns, ip) for ns, _, ip in self.nodes[1:]]
+        return [(ns, ip) for ns, _, ip in self.nodes[self.n_aggregators:]]
 
     def up(self) -> None:
         """Creates everything; on any failure removes what was made and raises."""
@@ -162,7 +177,7 @@ class Topology:
             self._created.append(("link", self.bridge))
             _sh("ip", "link", "set", self.bridge, "up")
             for i, (ns, host_if, ip) in enumerate(self.nodes):
-                rate = self.aggregator_rate if i == 0 else self.rate
+                rate = self.aggregator_rate if i < self.n_aggregators else self.rate
                 _sh("ip", "netns", "add", ns)
                 self._created.append(("netns", ns))
                 _sh("ip", "link", "add", host_if, "mtu", str(self.mtu), "type", "veth", "peer", "name", "eth0",
@@ -321,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("removed leftovers of an earlier run: %s", " ".join(stale))
     with _signals_raise():
         topo = Topology(max(args.workers), rate=args.rate, subnet=args.subnet, delay_us=args.delay_us, mtu=args.mtu,
-                        aggregator_rate=args.aggregator_rate)
+                        aggregator_rate=args.aggregator_rate, aggregators=args.shards)
         try:
             topo.up()
             link = measure_link(topo)
@@ -334,12 +349,13 @@ def main(argv: list[str] | None = None) -> int:
                     aggregator_prefix=["ip", "netns", "exec", agg_ns],
                     rank_prefixes=[["ip", "netns", "exec", ns] for ns, _ in topo.workers[:w]],
                     rank_env=[{"GLOO_SOCKET_IFNAME": "eth0"} for _ in range(w)],
+                    shards=[(f"tcp://{ip}:{_AGG_PORT}", ["ip", "netns", "exec", ns]) for ns, ip in topo.aggregators],
                 )
 
             extra: dict[str, Any] = {
                 "network": {
                     "rate": args.rate, "aggregator_rate": topo.aggregator_rate, "delay_us": args.delay_us,
-                    "mtu": args.mtu, "subnet": args.subnet, "measured_stream_bps": link,
+                    "mtu": args.mtu, "subnet": args.subnet, "measured_stream_bps": link, "shards": args.shards,
                     "topology": "star: one namespace per node on a bridge",
                 },
             }

@@ -38,12 +38,19 @@ class Placement:
         aggregator_prefix: command prefix of the aggregator (e.g. ``ip netns exec NS``).
         rank_prefixes: command prefix of every rank; its length is the world size.
         rank_env: extra environment of every rank (e.g. ``GLOO_SOCKET_IFNAME``).
+        shards: (listen, prefix) of every aggregator shard, one process each; empty
+            means one aggregator at ``listen`` with ``aggregator_prefix``.
     """
 
     listen: str
     aggregator_prefix: list[str] = field(default_factory=list)
     rank_prefixes: list[list[str]] = field(default_factory=list)
     rank_env: list[dict[str, str]] = field(default_factory=list)
+    shards: list[tuple[str, list[str]]] = field(default_factory=list)
+
+    def aggregators(self) -> list[tuple[str, list[str]]]:
+        """(listen, prefix) of every aggregator process to start."""
+        return self.shards or [(self.listen, self.aggregator_prefix)]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -111,22 +118,26 @@ def run_world(
     w = spec.world_size
     procs: list[subprocess.Popen] = []
     logs: list[str] = []
-    agg = None
+    aggs: list[subprocess.Popen] = []
     try:
-        agg_log = os.path.join(run_dir, f"aggregator-w{w}.log")
-        logs.append(agg_log)
-        with open(agg_log, "w") as errf:
-            agg = subprocess.Popen(
-                [*placement.aggregator_prefix, sys.executable, "-m", "bench.procs", "aggregator",
-                 placement.listen, str(spec.op_timeout)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, text=True, env=_env(), cwd=ROOT,
-            )
-        procs.append(agg)
-        assert agg.stdout is not None
-        line = _readline(agg.stdout, min(deadline, time.monotonic() + 60), "the aggregator's address")
-        if not line:
-            raise BenchError(f"aggregator exited with {agg.wait()}:\n{_tail(agg_log)}")
-        spec.address = json.loads(line)["address"]
+        addresses = []
+        for k, (listen, prefix) in enumerate(placement.aggregators()):
+            agg_log = os.path.join(run_dir, f"aggregator{k}-w{w}.log")
+            logs.append(agg_log)
+            with open(agg_log, "w") as errf:
+                agg = subprocess.Popen(
+                    [*prefix, sys.executable, "-m", "bench.procs", "aggregator", listen, str(spec.op_timeout)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, text=True, env=_env(), cwd=ROOT,
+                )
+            procs.append(agg)
+            aggs.append(agg)
+            assert agg.stdout is not None
+            line = _readline(agg.stdout, min(deadline, time.monotonic() + 60), f"aggregator {k}'s address")
+            if not line:
+                raise BenchError(f"aggregator {k} exited with {agg.wait()}:\n{_tail(agg_log)}")
+            addresses.append(json.loads(line)["address"])
+        # Several shards: the workers get them as one comma-separated address (worker.sharded).
+        spec.address = ",".join(addresses)
         spec.store = os.path.join(run_dir, f"store-w{w}-{os.getpid()}-{time.monotonic_ns()}")
         spec_path = os.path.join(run_dir, f"spec-w{w}.json")
         with open(spec_path, "w") as f:
@@ -141,26 +152,27 @@ def run_world(
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                     stderr=errf, text=True, env=env, cwd=ROOT,
                 ))
-        _collect(procs, logs, deadline, on_event)
-        assert agg.stdin is not None
-        agg.stdin.close()
-        try:
-            agg.wait(timeout=_GRACE_S)
-        except subprocess.TimeoutExpired:
-            logger.warning("the aggregator did not exit when asked; it is stopped")
+        _collect(procs, logs, deadline, on_event, len(aggs))
+        for agg in aggs:
+            assert agg.stdin is not None
+            agg.stdin.close()
+        for k, agg in enumerate(aggs):
+            try:
+                agg.wait(timeout=_GRACE_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("aggregator %d did not exit when asked; it is stopped", k)
     finally:
         _stop(procs)
-        if agg is not None and agg.stdout is not None:
-            agg.stdout.close()
-        for p in procs[1:2]:
+        for p in procs:
             if p.stdout is not None:
                 p.stdout.close()
 
 
 def _collect(
-    procs: list[subprocess.Popen], logs: list[str], deadline: float, on_event: Callable[[dict[str, Any]], None]
+    procs: list[subprocess.Popen], logs: list[str], deadline: float, on_event: Callable[[dict[str, Any]], None],
+    n_aggs: int = 1,
 ) -> None:
-    ranks = procs[1:]
+    ranks = procs[n_aggs:]
     out = ranks[0].stdout
     assert out is not None
     sel = selectors.DefaultSelector()
@@ -170,7 +182,7 @@ def _collect(
             failed = [(i, p) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
             if failed:
                 i, p = failed[0]
-                name = "aggregator" if i == 0 else f"rank {i - 1}"
+                name = f"aggregator {i}" if i < n_aggs else f"rank {i - n_aggs}"
                 raise BenchError(f"{name} exited with {p.returncode}:\n{_tail(logs[i])}")
             if time.monotonic() > deadline:
                 raise BenchError("the run went past its time limit; partial results were kept")
@@ -188,14 +200,14 @@ def _collect(
                 on_event(event)
     finally:
         sel.close()
-    for i, p in enumerate(ranks, start=1):
+    for i, p in enumerate(ranks, start=n_aggs):
         left = deadline - time.monotonic()
         try:
             rc = p.wait(timeout=max(1.0, left))
         except subprocess.TimeoutExpired:
-            raise BenchError(f"rank {i - 1} did not exit before the time limit") from None
+            raise BenchError(f"rank {i - n_aggs} did not exit before the time limit") from None
         if rc != 0:
-            raise BenchError(f"rank {i - 1} exited with {rc}:\n{_tail(logs[i])}")
+            raise BenchError(f"rank {i - n_aggs} exited with {rc}:\n{_tail(logs[i])}")
 
 
 def add_args(p: Any) -> None:
@@ -213,6 +225,8 @@ def add_args(p: Any) -> None:
                    help="elements per block of the random nonzero patterns (and of gloo sparse's rows)")
     p.add_argument("--message-blocks", type=int, default=None, help="omnireduce's blocks per message")
     p.add_argument("--streams", type=int, default=None, help="omnireduce's streams per op")
+    p.add_argument("--shards", type=int, default=1,
+                   help="aggregator processes; every tensor is split over them (worker.sharded)")
     p.add_argument("--repeats", type=int, default=10, help="timed repetitions per case (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per case before timing")
     p.add_argument("--seed", type=int, default=0)
@@ -279,6 +293,8 @@ def run(
     for name in ("repeats", "block_size", "pattern_block"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.shards < 1:
+        raise SystemExit("--shards must be >= 1")
     if args.warmup < 0 or any(w < 1 for w in args.workers) or any(not 0 <= d <= 1 for d in args.densities):
         raise SystemExit("--warmup must be >= 0, --workers >= 1 and --densities within [0, 1]")
     rows: list[dict[str, Any]] = []

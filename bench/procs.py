@@ -178,6 +178,8 @@ def _time_system(
             "type": "result", "workers": spec.world_size, "elements": case.n,
             "density": case.density, "system": system,
             "times": t.tolist(), "ok": bool(flag.item()) if ref is not None else None,
+            # Aggregator shards the omnireduce ops were split over (a comma-separated address).
+            "shards": len([a for a in spec.address.split(",") if a]),
         }
         if system == "omnireduce" and case.worker is not None and case.worker.stats.last is not None:
             last = case.worker.stats.last

@@ -37,6 +37,8 @@ __all__ = [
     "OMNIREDUCE_MESSAGE_BLOCKS",
     "OMNIREDUCE_STREAMS",
     "OMNIREDUCE_TIMEOUT",
+    "OMNIREDUCE_MODE",
+    "OMNIREDUCE_COSTS",
     "OMNIREDUCE_TOKEN",
     "OMNIREDUCE_GENERATION",
     "OMNIREDUCE_HEARTBEAT",
@@ -52,6 +54,7 @@ __all__ = [
     "DEFAULT_MESSAGE_BLOCKS",
     "DEFAULT_STREAMS",
     "DEFAULT_TIMEOUT",
+    "DEFAULT_MODE",
     "DEFAULT_JOB",
     "DEFAULT_HEARTBEAT",
     "DEFAULT_HEARTBEAT_TIMEOUT",
@@ -73,6 +76,11 @@ OMNIREDUCE_MESSAGE_BLOCKS = "OMNIREDUCE_MESSAGE_BLOCKS"
 OMNIREDUCE_STREAMS = "OMNIREDUCE_STREAMS"
 #: Seconds a worker waits for the aggregator before failing an op.
 OMNIREDUCE_TIMEOUT = "OMNIREDUCE_TIMEOUT"
+#: The path of a worker's ops: ``sparse`` (the block protocol), ``dense`` (every block sent,
+#: no detection), or ``auto`` (per tensor, whichever the cost model predicts faster).
+OMNIREDUCE_MODE = "OMNIREDUCE_MODE"
+#: The cost model's machine parameters (``omnireduce-calibrate`` writes them).
+OMNIREDUCE_COSTS = "OMNIREDUCE_COSTS"
 #: The job's token: a shared secret that keeps other tenants out of the job's sums.
 OMNIREDUCE_TOKEN = "OMNIREDUCE_TOKEN"
 #: The job's generation; raise it when the job's workers restart (torchelastic does).
@@ -99,6 +107,7 @@ DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MESSAGE_BLOCKS = 256
 DEFAULT_STREAMS = 4
 DEFAULT_TIMEOUT = 60.0
+DEFAULT_MODE = "sparse"
 DEFAULT_JOB = "default"
 DEFAULT_HEARTBEAT = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,3 +33,25 @@ def sparse(rng: np.random.Generator, n: int, density: float, block: int = 256, d
     keep = rng.random(nb) < density
     x.reshape(nb, block)[keep] = rng.integers(-50, 51, size=(int(keep.sum()), block)).astype(dtype)
     return x[:n]
+
+
+def run_ranks(world: int, fn: Callable[[int], Any], timeout: float = 60) -> list[Any]:
+    """Runs fn(rank) on one thread per rank; returns results, re-raising the first error."""
+    results: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "rank thread hung"
+    if errors:
+        raise errors[0]
+    return results

@@ -14,9 +14,8 @@ from omnireduce import ConfigError, MismatchError
 from omnireduce.dtypes import DType
 from omnireduce.layout import Layout
 from omnireduce.protocol import Error, ErrorCode, decode
-from tests.conftest import sparse
+from tests.conftest import run_ranks, sparse
 from tests.loopback import peer_of, run_allreduce, wire
-from tests.test_worker import run_ranks
 from worker import Worker
 from worker.balance import Balancer, ProportionalSampler, batch_sizes
 from worker.op import WorkerOp

@@ -48,6 +48,7 @@ BASE_ENV = {
     "WORLD_SIZE": "3",
     "OMNIREDUCE_JOB": f"{RUN_ID}-a",
     "OMNIREDUCE_JOB_B": f"{RUN_ID}-b",
+    "OMNIREDUCE_JOB_S": f"{RUN_ID}-s",
     "OMNIREDUCE_TIMEOUT": "60",
     "OMNIREDUCE_AGGREGATOR_TIMEOUT": "30",
     "OMNIREDUCE_CLUSTER_ELEMENTS": "300000",
@@ -145,6 +146,8 @@ class Cluster:
     env_overrides: dict[str, str] = field(default_factory=dict)
     profiles: list[str] = field(default_factory=list)
     subnet: ipaddress.IPv4Network | None = None
+    #: The services ``up`` starts; empty: every service of the profiles (and those with none).
+    services: list[str] = field(default_factory=list)
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, **BASE_ENV, **self.env_overrides, "OMNIREDUCE_IMAGE": self.image}
@@ -163,7 +166,7 @@ class Cluster:
     def up(self) -> None:
         for _ in range(3):
             self.subnet = _free_subnet()
-            res = self.compose("up", "-d", "--no-build", timeout=180, check=False)
+            res = self.compose("up", "-d", "--no-build", *self.services, timeout=180, check=False)
             if res.returncode == 0:
                 return
             if "overlap" not in res.stderr.lower():
@@ -324,3 +327,27 @@ def test_killed_worker_container_fails_the_others_clearly(cluster_factory: Any) 
     assert len(ops) == 1, f"the survivors failed in different ops: {ops}"
     line = rf"job[= ]'{re.escape(job)}'[ ,]*op[= ]{ops.pop()} failed \((\w+)\): [^\n]*ranks? \[?2\b"
     assert re.search(line, agg), f"the aggregator did not log the failed op naming rank 2:\n{agg[-3000:]}"
+
+
+def test_job_over_two_aggregator_shards_in_separate_containers(cluster_factory: Any) -> None:
+    """One job whose workers list two aggregator shards: every sum exact, both shards summed every op."""
+    services = ["shard0", "shard1", "worker-s0", "worker-s1"]
+    c = cluster_factory("shards", profiles=["shards"], services=services)
+    c.up()
+    ips = {s: c.ip(s) for s in services}
+    codes = {s: c.wait(s, timeout=120) for s in ("worker-s0", "worker-s1")}
+    records = {s: c.records(s) for s in codes}
+    c.compose("stop", "-t", "10", "shard0", "shard1", timeout=60)
+    result = {"codes": codes, "records": records, "logs": c.all_logs()}
+    _check_job(result, ["worker-s0", "worker-s1"], BASE_ENV["OMNIREDUCE_JOB_S"], 2,
+               "tcp://shard0:5555,tcp://shard1:5555")
+    assert len({ips["shard0"], ips["shard1"]}) == 2 and all(ip in c.subnet for ip in ips.values())
+    elements = int(BASE_ENV["OMNIREDUCE_CLUSTER_ELEMENTS"])
+    for s in codes:
+        ops = [r for r in records[s] if r["event"] == "op"]
+        assert all(r["elements"] == elements for r in ops), ops
+    ops = BASE_ENV["OMNIREDUCE_CLUSTER_OPS"]
+    for s in ("shard0", "shard1"):
+        # Each shard took its chunk of every op: a worker that skipped a shard would change the counts.
+        log = "".join(c.logs(s))
+        assert f"completed {ops} ops, failed 0" in log, f"{s}:\n{log}"

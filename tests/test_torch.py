@@ -71,6 +71,19 @@ def test_ddp_hook_matches_gloo(agg, tmp_path, world: int, case: str) -> None:
         torch.testing.assert_close(res["got"], results[0]["got"], rtol=0, atol=0)
 
 
+def test_auto_mode_sends_dense_buckets_through_gloo(agg, tmp_path) -> None:
+    results = run_ranks("auto_case", 2, tmp_path, agg.address)
+    for res in results:
+        assert res["error"] is None
+        torch.testing.assert_close(res["got"], res["expected"])
+        unions = sorted(res["unions"].values())
+        # Two buckets from step 1 on: the embedding's (a few rows of 100,000) and the MLP's (dense).
+        assert unions[0] < 0.05 and unions[-1] > 0.9, res["unions"]
+        # The dense bucket goes through gloo once its density is known; the sparse one never does.
+        assert res["paths"]["dense"] >= 3 and res["paths"]["sparse"] >= 5, res["paths"]
+    assert results[0]["paths"] == results[1]["paths"]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_weighted_gradients_equal_the_global_batch_gradient(agg, tmp_path, world: int) -> None:
     for res in run_ranks("weighted_case", world, tmp_path, agg.address):

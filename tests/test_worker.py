@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,30 +10,8 @@ import pytest
 
 from aggregator import Aggregator
 from omnireduce import ConfigError, MismatchError, OmniReduceError, OpTimeoutError, WorkerClosedError
-from tests.conftest import sparse
+from tests.conftest import run_ranks, sparse
 from worker import Worker
-
-
-def run_ranks(world: int, fn: Callable[[int], Any], timeout: float = 60) -> list[Any]:
-    """Runs fn(rank) on one thread per rank; returns results, re-raising the first error."""
-    results: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "rank thread hung"
-    if errors:
-        raise errors[0]
-    return results
 
 
 def test_allreduce_numpy_shapes_and_several_ops(aggregator: Aggregator) -> None:

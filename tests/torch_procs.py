@@ -170,6 +170,29 @@ def backend_case(rank: int, world: int, address: str, steps: int = 4) -> dict[st
     return out
 
 
+def auto_case(rank: int, world: int, address: str, steps: int = 5) -> dict[str, Any]:
+    """DDP with the hook in auto mode (gloo as the dense path) against DDP on gloo alone."""
+    from worker import Worker
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    def model() -> nn.Module:
+        m = _model(vocab=100_000)  # the embedding's gradient: 64 rows of 100,000
+        # A wide top (1 MB of dense gradient) that fills DDP's first bucket on its own.
+        m.mlp = nn.Sequential(nn.Linear(DIM, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 1))
+        return m
+
+    ref = DDP(model(), bucket_cap_mb=0.05)
+    ours = DDP(model(), bucket_cap_mb=0.05)
+    with Worker(address, rank=rank, world_size=world, job=f"auto-{world}", timeout=30) as w:
+        state = OmniReduceState(w, dense_group=dist.group.WORLD, mode="auto", probe_every=100)
+        ours.register_comm_hook(state, omnireduce_hook)
+        expected = _train_ddp(ref, rank, steps, accumulate=False)
+        got = _train_ddp(ours, rank, steps, accumulate=False)
+        unions = dict(state._chooser._union)
+    return {"expected": expected, "got": got, "paths": dict(state.paths), "unions": unions,
+            "buckets": state.buckets, "error": state.error}
+
+
 def weighted_case(rank: int, world: int, address: str, steps: int = 3) -> dict[str, Any]:
     """Ranks with unequal batches (8, 16, 24, ...): DDP with samples-weighted gradients and an
     omnireduce process group with a weighted AVG, against one model trained on the global batch."""

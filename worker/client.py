@@ -60,6 +60,7 @@ from omnireduce.protocol import (
 )
 from worker.op import WorkerOp
 from worker.stats import Stats
+from worker.auto import MODES, PathChooser
 from worker.cuda import CudaOpData, is_cuda_tensor
 from worker.tensors import shares_memory, to_flat
 
@@ -107,6 +108,8 @@ class _Submission:
     out: np.ndarray | None = None
     weight: float | None = None
     compute: float | None = None
+    dense: bool = False
+    auto_key: Any = None
 
 
 @dataclass(slots=True)
@@ -116,6 +119,8 @@ class _Pending:
     future: Future
     started: float
     last_heard: float
+    # Auto mode: the tensor's key, when this sparse op measures its union density.
+    auto_key: Any = None
 
 
 class Worker:
@@ -144,6 +149,10 @@ class Worker:
             text); turns CURVE on. Default ``$OMNIREDUCE_CURVE_SERVER_KEY``.
         curve_client_key: this worker's ``.key_secret`` file; default
             ``$OMNIREDUCE_CURVE_CLIENT_KEY``, else a throwaway key pair.
+        mode: "sparse" (the block protocol), "dense" (every block sent, no zero-block
+            detection), or "auto" (per tensor length, the path :mod:`omnireduce.model`
+            predicts faster from the union density the last sparse op of that length
+            measured; see :mod:`worker.auto`). Default ``$OMNIREDUCE_MODE``, else sparse.
 
     Example::
 
@@ -183,6 +192,7 @@ class Worker:
         heartbeat_timeout: float | None = None,
         curve_server_key: str | os.PathLike[str] | None = None,
         curve_client_key: str | os.PathLike[str] | None = None,
+        mode: str | None = None,
     ) -> None:
         self.address = config.resolve(address, config.OMNIREDUCE_ADDRESS, None, str)
         self.rank = config.resolve(rank, config.RANK, None, int)
@@ -216,6 +226,14 @@ class Worker:
             raise ConfigError("curve_client_key needs curve_server_key (the aggregator's public key)")
         Layout(0, self.block_size, self.message_blocks, self.streams)  # validates the three
         self.curve = server_key is not None
+        self.mode = config.resolve(mode, config.OMNIREDUCE_MODE, config.DEFAULT_MODE, str)
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        self._chooser = (
+            PathChooser(self.world_size, ring_available=False, block_size=self.block_size,
+                        message_blocks=self.message_blocks, streams=self.streams)
+            if self.mode == "auto" else None
+        )
         self._hello = encode(Hello(self.job, self.rank, self.world_size, self.generation, token))
 
         self.stats = Stats()
@@ -273,6 +291,7 @@ class Worker:
         out: np.ndarray | None = None,
         weight: float | None = None,
         compute_time: float | None = None,
+        key: Any = None,
     ) -> Future:
         """Starts a sum over all workers of the job; returns a future of the result.
 
@@ -295,6 +314,8 @@ class Worker:
                 for batch balancing (:attr:`recommended_batches`). By default, for a
                 weighted op submitted while no other op is in flight, the time since
                 this worker's last op finished.
+            key: in auto mode, what identifies this tensor from op to op (its
+                density history); default its length and dtype.
 
         Returns:
             A future of an array or tensor of ``x``'s type, shape and dtype.
@@ -336,9 +357,16 @@ class Worker:
                 compute_time = time.monotonic() - self._idle_since
             self._outstanding += 1
             fut.add_done_callback(self._op_finished)
+            dense, auto_key = False, None
+            if data is None and self.mode == "dense":
+                dense = True
+            elif data is None and self._chooser is not None:
+                auto_key = (length, int(dtype)) if key is None else key
+                dense = self._chooser.choose(auto_key, length, dtype.itemsize) == "dense"
             self._submissions.put(_Submission(
                 op, flat, dtype, restore, fut, length, inplace, data, out,
                 None if weight is None else float(weight), None if compute_time is None else float(compute_time),
+                dense, None if dense else auto_key,
             ))
         self._wake()
         return fut
@@ -350,13 +378,16 @@ class Worker:
         out: np.ndarray | None = None,
         weight: float | None = None,
         compute_time: float | None = None,
+        key: Any = None,
     ) -> Any:
         """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
 
         Raises:
             OmniReduceError: the op failed (mismatch, timeout, aggregator error, closed worker).
         """
-        return self.allreduce_async(x, inplace=inplace, out=out, weight=weight, compute_time=compute_time).result()
+        return self.allreduce_async(
+            x, inplace=inplace, out=out, weight=weight, compute_time=compute_time, key=key
+        ).result()
 
     @property
     def recommended_batches(self) -> list[float] | None:
@@ -554,12 +585,13 @@ class Worker:
                 state = WorkerOp(
                     self.job, self.rank, self.world_size, sub.op, sub.flat, sub.dtype, layout,
                     inplace=sub.inplace, data=sub.data, out=sub.out, weight=sub.weight, compute=sub.compute,
+                    dense=sub.dense,
                 )
                 frames = state.start()
             except OmniReduceError as e:
                 sub.future.set_exception(e)
                 continue
-            pending[sub.op] = _Pending(state, sub.restore, sub.future, now, now)
+            pending[sub.op] = _Pending(state, sub.restore, sub.future, now, now, sub.auto_key)
             self._post(sub.op, frames)
 
     def _receive(self, pending: dict[int, _Pending]) -> None:
@@ -611,6 +643,11 @@ class Worker:
                 del pending[msg.op]
                 p.state.stats.seconds = time.monotonic() - p.started
                 self.stats.add(p.state.stats)
+                if p.auto_key is not None and self._chooser is not None:
+                    nb = p.state.layout.num_blocks
+                    self._chooser.record(p.auto_key, p.state.stats.blocks_received / nb if nb else 0.0)
+                # Who waits on the future can see what its op moved (e.g. the DDP hook's auto mode).
+                p.future.op_stats = p.state.stats  # type: ignore[attr-defined]
                 try:
                     result = p.restore(p.state.out)
                 except Exception as e:  # e.g. a failed device copy: fail this op, not the thread

@@ -21,7 +21,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from omnireduce.errors import OmniReduceError
+from omnireduce.errors import ConfigError, OmniReduceError
+from worker.auto import MODES, PathChooser
 from worker.client import Worker
 
 logger = logging.getLogger(__name__)
@@ -44,18 +45,46 @@ class OmniReduceState:
             computes ``sum(samples_i * grad_i) / sum(samples_i)``), which is the
             gradient of the mean loss over the global batch. None (the default)
             averages over ranks (with ``average``) or sums.
+        dense_group: a torch process group (e.g. gloo) for the dense path; with
+            ``mode="auto"`` each bucket goes through the sparse protocol or a dense
+            allreduce on this group, whichever the cost model predicts faster for the
+            bucket's density (see :mod:`worker.auto`); with ``mode="dense"`` always
+            the group.
+        mode: "sparse" (default), "dense" or "auto".
+        paths: how many buckets took each path ({"sparse": n, "dense": m}).
         error: the first error a bucket hit (None while all is well); once set,
             every later bucket fails at once with the same cause, so a loop can
             check ``state.error`` after catching the error from ``backward()``.
         buckets: buckets reduced so far.
     """
 
-    __slots__ = ("worker", "average", "samples", "error", "buckets", "_lock")
+    __slots__ = ("worker", "average", "samples", "dense_group", "mode", "paths", "error", "buckets", "_chooser",
+                 "_lock")
 
-    def __init__(self, worker: Worker, average: bool = True, samples: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        average: bool = True,
+        samples: Optional[float] = None,
+        dense_group: Optional[dist.ProcessGroup] = None,
+        mode: str = "sparse",
+        probe_every: int = 16,
+    ) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode != "sparse" and dense_group is None:
+            raise ConfigError(f"mode {mode!r} needs a dense_group (a torch process group, e.g. gloo)")
         self.worker = worker
         self.average = average
         self.samples = samples
+        self.dense_group = dense_group
+        self.mode = mode
+        self.paths = {"sparse": 0, "dense": 0}
+        self._chooser = (
+            PathChooser(worker.world_size, ring_available=True, probe_every=probe_every,
+                        block_size=worker.block_size, message_blocks=worker.message_blocks, streams=worker.streams)
+            if mode == "auto" else None
+        )
         self.error: Optional[BaseException] = None
         self.buckets = 0
         self._lock = threading.Lock()
@@ -119,6 +148,20 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_exception(RuntimeError(f"omnireduce {what} skipped after an earlier failure: {state.error}"))
         return fut
+    key = (bucket.index(), buf.numel(), buf.dtype)
+    path = state.mode
+    if state._chooser is not None:
+        path = state._chooser.choose(key, buf.numel(), buf.element_size())
+        if state._chooser.union(key) is not None:
+            # Every rank must take the same path (the dense one is a collective): ranks with
+            # different cost files could disagree, so they agree on dense only if all chose it.
+            flag = torch.tensor([int(path == "dense")], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=state.dense_group)
+            path = "dense" if flag.item() else "sparse"
+    state.paths[path] += 1
+    if path == "dense":
+        state.buckets += 1
+        return _dense_allreduce(state, buf)
     weight = state.samples
     if weight is None and state.average and state.worker.world_size > 1:
         # Divide before summing, as DDP's default hook does: it keeps a half-precision
@@ -131,7 +174,32 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         state.record(e)
         raise
     state.buckets += 1
+    if state._chooser is not None:
+        chooser, nb = state._chooser, -(-buf.numel() // state.worker.block_size)
+
+        def measured(src: ConcurrentFuture) -> None:
+            stats = getattr(src, "op_stats", None)
+            if stats is not None and nb:
+                chooser.record(key, stats.blocks_received / nb)
+
+        # Added before the callback that completes the bucket, so the density is
+        # recorded before DDP can start the next step (and choose again).
+        source.add_done_callback(measured)
     return complete_torch_future(source, buf, what, state)
+
+
+def _dense_allreduce(state: OmniReduceState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The bucket through the dense group: DDP's own allreduce, weighted when samples are set."""
+    group = state.dense_group
+    world = dist.get_world_size(group)
+    if state.samples is not None:
+        # sum(n_i * g_i) / sum(n_i): the total of the weights first (a one-element sum).
+        total = torch.tensor([float(state.samples)], dtype=torch.float64)
+        dist.all_reduce(total, group=group)
+        buf.mul_(float(state.samples) / float(total.item()))
+    elif state.average and world > 1:
+        buf.div_(world)
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]

@@ -83,6 +83,8 @@ class WorkerOp:
             type to write the sum into (e.g. a slice of a larger result).
         weight: this worker's weight (sample count) for a weighted mean; None for a sum.
         compute: seconds of compute reported for batch balancing; None if not measured.
+        dense: send every block, without detecting the zero ones (the dense path:
+            no mask pass; the sums are the same).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class WorkerOp:
         out: np.ndarray | None = None,
         weight: float | None = None,
         compute: float | None = None,
+        dense: bool = False,
     ) -> None:
         self.job = job
         self.rank = rank
@@ -116,6 +119,11 @@ class WorkerOp:
         if data is not None:
             mask = data.mask
             self.out = data.out
+        elif dense:
+            mask = np.ones(layout.num_blocks, dtype=np.bool_)
+            self.out = flat if inplace else (out if out is not None else np.empty(layout.length, dtype.storage))
+            if inplace and not flat.flags.writeable:
+                raise ConfigError("an in-place allreduce needs a writeable tensor")
         elif out is not None:
             if out.shape != (layout.length,) or out.dtype != np.dtype(dtype.storage) or not out.flags.writeable:
                 raise ConfigError(

@@ -1,0 +1,289 @@
+"""Sharded aggregators: ``Worker([addr0, addr1, ...])`` splits every op over several aggregators."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aggregator import Aggregator
+from omnireduce import ConfigError, OmniReduceError, WorkerClosedError
+from worker import ShardedWorker, Worker
+from tests.conftest import run_ranks
+from worker.sharded import shard_bounds
+
+# Small blocks and messages: short tensors still span many blocks, shards and rounds.
+SMALL = dict(block_size=16, message_blocks=4, streams=2)
+LENGTHS = [0, 1, 2, 15, 16, 17, 47, 100, 1000, 4099, 100_003]
+
+
+@pytest.fixture
+def shards() -> Iterator[list[Aggregator]]:
+    """Three aggregators on free loopback ports; a test uses the first N of them."""
+    aggs: list[Aggregator] = []
+    try:
+        for _ in range(3):
+            aggs.append(Aggregator(listen="tcp://127.0.0.1:0", timeout=20.0).start())
+        yield aggs
+    finally:
+        for a in aggs:
+            a.close()
+
+
+def _inputs(seed: int, world: int, n: int, dtype: Any, density: float = 0.4, block: int = 16) -> list[np.ndarray]:
+    """Random non-integer values in random blocks: float sums that depend on order, so equal
+    bits mean the same additions in the same order. Zeros are +0.0: the aggregator's sum of
+    -0.0 values depends on how a round's payloads line up (numerically equal either way)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(world):
+        nb = -(-n // block)
+        keep = np.repeat(rng.random(nb) < density, block)[:n]
+        out.append(np.where(keep, rng.standard_normal(n), 0.0).astype(dtype))
+    return out
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}")
+
+
+def _reduce_all(address: Any, world: int, job: str, inputs: list[list[Any]], **kw: Any) -> list[list[Any]]:
+    """Every rank sums every tensor of its list, all ops in flight at once."""
+
+    def rank(r: int) -> list[Any]:
+        with Worker(address, rank=r, world_size=world, job=job, timeout=20, **SMALL, **kw) as w:
+            futures = [w.allreduce_async(x) for x in inputs[r]]
+            return [f.result(timeout=30) for f in futures]
+
+    return run_ranks(world, rank)
+
+
+def test_shard_bounds_split_on_blocks() -> None:
+    assert shard_bounds(0, 16, 3) == [(0, 0), (0, 0), (0, 0)]
+    assert shard_bounds(17, 16, 3) == [(0, 0), (0, 16), (16, 17)]
+    assert shard_bounds(100, 10, 3) == [(0, 30), (30, 60), (60, 100)]
+    b = shard_bounds(1_000_003, 256, 4)
+    assert b[0][0] == 0 and b[-1][1] == 1_000_003
+    assert all(lo % 256 == 0 and hi >= lo for lo, hi in b)
+    assert all(b[i][1] == b[i + 1][0] for i in range(3))
+
+
+@pytest.mark.parametrize("n_shards", [1, 2, 3])
+def test_identical_to_one_aggregator(shards: list[Aggregator], n_shards: int) -> None:
+    world = 3
+    per_dtype = {np.float32: LENGTHS, np.float64: [0, 17, 1000, 4099], np.float16: [1, 33, 4099]}
+    cases = [(dt, n) for dt, lengths in per_dtype.items() for n in lengths]
+    inputs = [[] for _ in range(world)]
+    for i, (dt, n) in enumerate(cases):
+        for r, x in enumerate(_inputs(i, world, n, dt)):
+            inputs[r].append(x)
+    for r in range(world):
+        inputs[r].append(inputs[r][-1][:4098].reshape(3, -1)[:, :1000])  # a non-contiguous 2-D view
+    addresses = [a.address for a in shards[:n_shards]]
+    got = _reduce_all(addresses, world, f"sharded-{n_shards}", inputs)
+    ref = _reduce_all(shards[2].address, world, f"single-{n_shards}", inputs)
+    for r in range(world):
+        for i, x in enumerate(inputs[r]):
+            assert type(got[r][i]) is np.ndarray and got[r][i].shape == x.shape and got[r][i].dtype == x.dtype
+            assert np.array_equal(_bits(got[r][i]), _bits(ref[r][i])), (r, i, x.dtype, x.shape)
+            assert np.array_equal(_bits(got[r][i]), _bits(got[0][i]))
+
+
+def test_torch_bfloat16_float32_inplace_and_out(shards: list[Aggregator]) -> None:
+    torch = pytest.importorskip("torch")
+    world = 2
+    addresses = [a.address for a in shards]
+    xs = [_inputs(7, world, 4099, np.float32)[r] for r in range(world)]
+
+    def run(address: Any, job: str) -> list[list[Any]]:
+        def rank(r: int) -> list[Any]:
+            with Worker(address, rank=r, world_size=world, job=job, timeout=20, **SMALL) as w:
+                t = torch.from_numpy(xs[r].copy()).reshape(1, 4099)
+                bf = t.to(torch.bfloat16)
+                half = t.to(torch.float16)[:, ::2]  # non-contiguous
+                inplace = t.clone()
+                out = np.zeros(4099, dtype=np.float32)
+                futures = [w.allreduce_async(bf), w.allreduce_async(t), w.allreduce_async(half)]
+                w.allreduce(inplace, inplace=True)
+                res = w.allreduce(xs[r], out=out)
+                assert res.base is out or np.shares_memory(res, out)
+                return [f.result(timeout=30) for f in futures] + [inplace, out]
+
+        return run_ranks(world, rank)
+
+    got = run(addresses, "torch-sharded")
+    ref = run(shards[0].address, "torch-single")
+    for r in range(world):
+        for g, e in zip(got[r], ref[r]):
+            if isinstance(e, np.ndarray):
+                assert np.array_equal(g, e)
+                continue
+            assert isinstance(g, torch.Tensor) and g.dtype == e.dtype and g.shape == e.shape
+            assert torch.equal(g.view(torch.int16) if g.dtype == torch.bfloat16 else g,
+                               e.view(torch.int16) if e.dtype == torch.bfloat16 else e)
+    assert got[0][0].dtype == torch.bfloat16 and got[0][3].shape == (1, 4099)
+
+
+def test_many_ops_in_flight_from_several_threads(shards: list[Aggregator]) -> None:
+    world = 2
+    addresses = [a.address for a in shards[:2]]
+    inputs = [[_inputs(100 + i, world, 50 + 37 * i, np.float32)[r] for i in range(40)] for r in range(world)]
+
+    def rank(r: int) -> list[np.ndarray]:
+        with Worker(addresses, rank=r, world_size=world, job="inflight", timeout=20, **SMALL) as w:
+            # Two callers submit in turns under a lock, so every rank numbers the ops alike.
+            futures: list[Any] = [None] * len(inputs[r])
+            lock = threading.Lock()
+            order = iter(range(len(inputs[r])))
+
+            def submit() -> None:
+                while True:
+                    with lock:
+                        i = next(order, None)
+                        if i is None:
+                            return
+                        futures[i] = w.allreduce_async(inputs[r][i])
+
+            ts = [threading.Thread(target=submit) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(30)
+            out = [f.result(timeout=30) for f in futures]
+            assert w.stats.ops == len(inputs[r])
+            assert w.stats.total.elements == sum(len(x) for x in inputs[r])
+            return out
+
+    got = run_ranks(world, rank)
+    for i in range(len(inputs[0])):
+        expected = inputs[0][i] + inputs[1][i]
+        for r in range(world):
+            assert np.array_equal(got[r][i], expected)
+
+
+def test_weighted_ops_match_one_aggregator(shards: list[Aggregator]) -> None:
+    world = 2
+    inputs = [[_inputs(40 + i, world, n, np.float32)[r] for i, n in enumerate([5, 1000, 4099])] for r in range(world)]
+
+    def run(address: Any, job: str) -> list[list[np.ndarray]]:
+        def rank(r: int) -> list[np.ndarray]:
+            with Worker(address, rank=r, world_size=world, job=job, timeout=20, **SMALL) as w:
+                futures = [w.allreduce_async(x, weight=3 * r + 1, compute_time=0.1) for x in inputs[r]]
+                out = [f.result(timeout=30) for f in futures]
+                out.append(w.recommended_batches)
+                return out
+
+        return run_ranks(world, rank)
+
+    got, ref = run([a.address for a in shards], "weighted-sharded"), run(shards[0].address, "weighted-single")
+    for r in range(world):
+        for g, e in zip(got[r][:-1], ref[r][:-1]):
+            assert np.array_equal(_bits(g), _bits(e))
+        assert got[r][-1] == ref[r][-1]
+
+
+def test_comma_string_and_environment(shards: list[Aggregator], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = shards[0].address, shards[1].address
+    monkeypatch.setenv("OMNIREDUCE_ADDRESS", f"{a}, {b}")
+    x = [np.arange(1000, dtype=np.float32), np.ones(1000, dtype=np.float32)]
+
+    def rank(r: int) -> np.ndarray:
+        w = Worker(rank=r, world_size=2, job="env", timeout=20, **SMALL) if r == 0 else \
+            Worker(f"{a},{b}", r, 2, "env", timeout=20, **SMALL)
+        with w:
+            assert isinstance(w, ShardedWorker) and isinstance(w, Worker)
+            assert w.addresses == (a, b) and w.address == f"{a},{b}"
+            assert (w.rank, w.world_size, w.job, w.block_size) == (r, 2, "env", 16)
+            y = w.allreduce(x[r])
+            assert w.stats.last is not None and w.stats.last.elements == 1000
+            assert w.stats.last.dense_bytes == 4000
+            return y
+
+    for y in run_ranks(2, rank):
+        assert np.array_equal(y, x[0] + x[1])
+    # One address keeps the plain worker.
+    monkeypatch.setenv("OMNIREDUCE_ADDRESS", a)
+    with Worker(rank=0, world_size=1, timeout=20) as w:
+        assert type(w) is Worker
+    with Worker(a, rank=0, world_size=1, timeout=20) as w:
+        assert type(w) is Worker
+
+
+def test_bad_addresses_and_closed() -> None:
+    with pytest.raises(ConfigError, match="twice"):
+        Worker(["tcp://127.0.0.1:1", "tcp://127.0.0.1:1"], rank=0, world_size=1)
+    with pytest.raises(ConfigError):
+        Worker(["tcp://127.0.0.1:1", "nonsense"], rank=0, world_size=1)
+    w = Worker(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], rank=0, world_size=2, timeout=30)
+    fut = w.allreduce_async(np.ones(100, dtype=np.float32))
+    w.close()
+    with pytest.raises(WorkerClosedError, match="shard 0"):
+        fut.result(timeout=10)
+    with pytest.raises(WorkerClosedError):
+        w.allreduce_async(np.ones(3, dtype=np.float32))
+
+
+def test_inputs_the_sharded_worker_refuses() -> None:
+    class FakeDeviceArray:
+        __cuda_array_interface__: dict[str, Any] = {}
+
+    with Worker(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], rank=0, world_size=2, timeout=30) as w:
+        with pytest.raises(ConfigError, match="torch tensors only"):
+            w.allreduce_async(FakeDeviceArray())
+        with pytest.raises(ConfigError, match="contiguous"):
+            w.allreduce_async(np.ones((4, 4), dtype=np.float32)[:, :2], inplace=True)
+        with pytest.raises(ConfigError, match="out must be"):
+            w.allreduce_async(np.ones(10, dtype=np.float32), out=np.zeros(9, dtype=np.float32))
+        with pytest.raises(ConfigError):
+            w.allreduce_async([1.0, 2.0])
+        assert w.stats.ops == 0
+
+
+def test_closed_shard_fails_the_op_naming_it(shards: list[Aggregator]) -> None:
+    addresses = [a.address for a in shards[:2]]
+    ws = [Worker(addresses, rank=r, world_size=2, job="shard-dies", timeout=3, heartbeat=0.2,
+                 heartbeat_timeout=1, **SMALL) for r in range(2)]
+    try:
+        x = np.ones(1000, dtype=np.float32)
+        for y in run_ranks(2, lambda r: ws[r].allreduce(x)):
+            assert np.array_equal(y, 2 * x)
+        # Rank 0 alone: its op waits for rank 1 on both shards, then shard 1 goes away.
+        fut = ws[0].allreduce_async(x)
+        time.sleep(0.2)
+        shards[1].close()
+        t0 = time.monotonic()
+        with pytest.raises(OmniReduceError) as info:
+            fut.result(timeout=15)
+        assert time.monotonic() - t0 < 10
+        err = info.value
+        assert f"shard 1 ({addresses[1]})" in str(err)
+        assert type(err) is type(err.__cause__)
+        # Rank 1's matching op: shard 0 completes it, shard 1 is unreachable, so it fails
+        # within the worker's timeout, naming shard 1.
+        t0 = time.monotonic()
+        with pytest.raises(OmniReduceError, match=r"shard 1 \(") as info:
+            ws[1].allreduce(x)
+        assert time.monotonic() - t0 < 10
+        assert ws[1].shards[0].stats.ops == 2  # shard 0's chunk was summed
+    finally:
+        for w in ws:
+            w.close()
+
+
+@pytest.mark.slow
+def test_ddp_hook_and_backend_through_shards(shards: list[Aggregator], tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    from tests.test_torch import run_ranks as run_procs
+
+    address = ",".join(a.address for a in shards[:2])
+    for res in run_procs("ddp_case", 2, tmp_path, address, "buckets"):
+        assert res["error"] is None and res["buckets"] > 4
+        torch.testing.assert_close(res["got"], res["expected"])
+    for res in run_procs("backend_case", 2, tmp_path, address):
+        assert res["backend"] == "omnireduce"
+        torch.testing.assert_close(res["all_reduce"], torch.arange(6, dtype=torch.float32) * 3)
+        torch.testing.assert_close(res["got"], res["expected"])

@@ -1,0 +1,398 @@
+"""Sharded aggregators: one worker spreads every tensor over several aggregators.
+
+One aggregator's link carries every byte of every worker, so it bounds a dense
+allreduce. OmniReduce runs several aggregators and stripes its slots over them
+(slot ``s`` goes to aggregator ``s % number of aggregators``). Here the striping
+is done per contiguous range: a tensor of ``nb`` blocks is cut on block
+boundaries into one chunk per shard, chunk ``k`` being blocks
+``[k * nb // S, (k + 1) * nb // S)``, and chunk ``k`` is an ordinary op of an
+ordinary :class:`worker.client.Worker` connected to shard ``k``. The shards run
+their ops in parallel, each with its own connection, communication thread and
+streams, and each aggregator holds only its chunk's state. Contiguous chunks
+keep every shard's result a plain slice of the output, so the sums are written
+in place with no gather step, and results are bit for bit those of one
+aggregator (a block's sum does not depend on which aggregator computes it).
+
+Every shard gets a chunk, possibly empty, for every op, so that the op numbers
+of all shards stay equal to the sharded worker's op numbers.
+
+``Worker([addr0, addr1], ...)`` or ``Worker("tcp://a:5555,tcp://b:5555", ...)``
+(or a comma-separated ``OMNIREDUCE_ADDRESS``) returns a :class:`ShardedWorker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from omnireduce import config
+from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClosedError
+from worker.client import Worker
+from worker.cuda import is_cuda_tensor
+from worker.op import _pages_written, lazy_zeros
+from worker.stats import OpStats, Stats
+from worker.tensors import shares_memory, to_flat
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShardedWorker", "shard_bounds"]
+
+# Blocks sampled to guess a tensor's density, which decides how its result is allocated.
+_SAMPLE_BLOCKS = 1024
+# Counters summed over the shards of one op; rounds and seconds are the slowest shard's,
+# since the shards run in parallel.
+_SUMMED = (
+    "elements", "dense_bytes", "bytes_sent", "bytes_received", "blocks_sent", "blocks_received",
+    "messages_sent", "messages_received",
+)
+
+
+def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, int]]:
+    """The element range ``[lo, hi)`` of every shard's chunk of a tensor.
+
+    Chunk ``k`` holds blocks ``[k * nb // shards, (k + 1) * nb // shards)`` of the
+    ``nb`` blocks, so chunk sizes differ by at most one block and only the last
+    chunk may end in a partial block. With fewer blocks than shards some chunks
+    are empty.
+
+    Args:
+        length: elements of the tensor.
+        block_size: elements per block.
+        shards: number of shards.
+    """
+    nb = -(-length // block_size)
+    edges = [min(k * nb // shards * block_size, length) for k in range(shards + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+class _Gather:
+    """Completes one sharded op's future once every shard's future has completed."""
+
+    def __init__(self, owner: ShardedWorker, future: Future, parts: int, finish: Any) -> None:
+        self.owner = owner
+        self.future = future
+        self.finish = finish
+        self.started = time.monotonic()
+        self.results: list[Any] = [None] * parts
+        self.stats: list[OpStats | None] = [None] * parts
+        self.left = parts
+        self.settled = False
+        self.lock = threading.Lock()
+
+    def on_done(self, k: int, fut: Future) -> None:
+        # Runs on shard k's communication thread, right after that worker recorded the
+        # op's stats: its stats.last is this op's.
+        error = fut.exception()
+        with self.lock:
+            if self.settled:
+                return  # failed already: the first error wins
+            if error is None:
+                self.results[k] = fut.result()
+                self.stats[k] = self.owner.shards[k].stats.last
+                self.left -= 1
+                if self.left:
+                    return
+            self.settled = True
+        if error is not None:
+            _settle(self.future, error=self.owner._shard_error(k, error))
+            return
+        try:
+            result = self.finish(self.results)
+        except Exception as e:  # a failed conversion fails this op, not a shard's thread
+            logger.exception("sharded worker rank %d of job %r: result conversion failed",
+                             self.owner.rank, self.owner.job)
+            _settle(self.future, error=e if isinstance(e, OmniReduceError) else OpError(f"result conversion: {e!r}"))
+            return
+        self.owner._record(self.stats, time.monotonic() - self.started)
+        _settle(self.future, result=result)
+
+
+class ShardedWorker(Worker):
+    """A worker of one rank whose ops are split over several aggregators (shards).
+
+    Usually made by ``Worker(addresses, ...)``; every argument but the addresses is
+    passed unchanged to one :class:`worker.client.Worker` per shard, so every
+    shard uses the same rank, world size, job, token, generation and keys. Every
+    worker of a job must list the same shards in the same order.
+
+    It subclasses :class:`Worker` so that ``isinstance`` checks hold, but does not
+    call ``Worker.__init__``: it holds no socket of its own.
+
+    Args:
+        address: the shards' endpoints: a list or tuple, or one comma-separated
+            string; default ``$OMNIREDUCE_ADDRESS``.
+        *args: ``Worker``'s further positional arguments (rank, world_size, job, ...).
+        **kwargs: ``Worker``'s keyword arguments.
+
+    Raises:
+        ConfigError: no address, or a shard's worker refuses its settings.
+    """
+
+    def __init__(self, address: str | Sequence[str] | None = None, *args: Any, **kwargs: Any) -> None:
+        addresses = config.split_addresses(config.resolve(address, config.OMNIREDUCE_ADDRESS, None, _identity))
+        if not addresses:
+            raise ConfigError("no aggregator address given")
+        if len(set(addresses)) != len(addresses):
+            raise ConfigError(f"an aggregator address is listed twice: {addresses}")
+        self.addresses = tuple(addresses)
+        self.address = ",".join(addresses)
+        self.shards: list[Worker] = []
+        try:
+            for a in addresses:
+                self.shards.append(Worker(a, *args, **kwargs))
+        except BaseException:
+            for w in self.shards:
+                w.close()
+            raise
+        first = self.shards[0]
+        self.rank = first.rank
+        self.world_size = first.world_size
+        self.job = first.job
+        self.block_size = first.block_size
+        self.message_blocks = first.message_blocks
+        self.streams = first.streams
+        self.timeout = first.timeout
+        self.generation = first.generation
+        self.curve = first.curve
+        self.stats = Stats()
+        self._stats_lock = threading.Lock()
+        # Held while one op is handed to every shard, so concurrent callers cannot
+        # interleave and give two shards different op numbers for one tensor.
+        self._submit_lock = threading.Lock()
+        self._closed = False
+        self._broken: BaseException | None = None
+        logger.info("worker rank %d of job %r: %d aggregator shards: %s", self.rank, self.job, len(addresses),
+                    ", ".join(addresses))
+
+    def __getattr__(self, name: str) -> Any:
+        # Settings a plain Worker gains later (read-only attributes) come from shard 0,
+        # which was built from the same arguments; private state is never shared.
+        shards = self.__dict__.get("shards")
+        if name.startswith("_") or not shards:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(shards[0], name)
+
+    def __enter__(self) -> ShardedWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"ShardedWorker(rank={self.rank}, world_size={self.world_size}, job={self.job!r}, shards={self.address!r})"
+
+    def allreduce_async(self, x: Any, inplace: bool = False, out: np.ndarray | None = None, **kwargs: Any) -> Future:
+        """Starts a sum over all workers of the job, chunk ``k`` on shard ``k``; returns its future.
+
+        Same contract as :meth:`Worker.allreduce_async`. A torch CUDA tensor is
+        split into contiguous device views, each shard returns its chunk's sum on
+        the device and the chunks are joined with ``torch.cat`` (one device copy);
+        other CUDA arrays are not supported. If one shard's op fails, the future
+        fails at once with that error (same type, message naming the shard), while
+        the other shards may still write into ``out`` or, with ``inplace``, ``x``.
+
+        Args:
+            x: a NumPy array, a torch tensor (CPU or CUDA), float32/64, float16 or bfloat16.
+            inplace: write the sum into ``x`` itself (contiguous CPU tensors only).
+            out: a zero-filled, writeable, flat array of ``x``'s length and storage
+                type to write the sum into (CPU tensors only).
+            **kwargs: further options of :meth:`Worker.allreduce_async`, passed to every shard.
+
+        Returns:
+            A future of an array or tensor of ``x``'s type, shape and dtype.
+
+        Raises:
+            ConfigError: ``x`` is not supported, or ``inplace``/``out`` do not fit it.
+            WorkerClosedError: the worker is closed, or a shard refused an earlier op.
+        """
+        if is_cuda_tensor(x):
+            chunks, finish = self._split_cuda(x, inplace, out)
+            chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
+        else:
+            chunks, chunk_kwargs, finish = self._split_host(x, inplace, out)
+        fut: Future = Future()
+        gather = _Gather(self, fut, len(self.shards), finish)
+        with self._submit_lock:
+            if self._closed or self._broken is not None:
+                raise WorkerClosedError(
+                    f"sharded worker rank {self.rank} of job {self.job!r} is closed"
+                    + ("" if self._broken is None else f" (a shard failed to take an op: {self._broken})")
+                ) from self._broken
+            shard_futures = []
+            for k, (w, chunk) in enumerate(zip(self.shards, chunks)):
+                try:
+                    shard_futures.append(w.allreduce_async(chunk, **chunk_kwargs[k], **kwargs))
+                except BaseException as e:
+                    if k == 0:
+                        raise  # nothing was submitted: the shards' op numbers still agree
+                    # Shards 0..k-1 took the op and shard k did not: their op numbers no
+                    # longer agree, so no later op can be right.
+                    self._broken = e
+                    logger.error("sharded worker rank %d of job %r: shard %d (%s) refused an op: %s",
+                                 self.rank, self.job, k, self.addresses[k], e)
+                    err = self._shard_error(k, e)
+                    raise err from e
+        for k, f in enumerate(shard_futures):
+            f.add_done_callback(lambda f, k=k: gather.on_done(k, f))
+        return fut
+
+    def allreduce(self, x: Any, inplace: bool = False, out: np.ndarray | None = None, **kwargs: Any) -> Any:
+        """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
+
+        Raises:
+            OmniReduceError: the op failed on a shard (the message names it).
+        """
+        return self.allreduce_async(x, inplace=inplace, out=out, **kwargs).result()
+
+    @property
+    def recommended_batches(self) -> list[float] | None:
+        """Shard 0's aggregator's recommended batch size per rank, or None.
+
+        Every shard gets the same weights and (measured alike) compute times, so one
+        shard's recommendation stands for all; shard 0 gets a chunk of every op of
+        at least one block.
+        """
+        return self.shards[0].recommended_batches
+
+    def close(self) -> None:
+        """Closes every shard's worker; pending ops fail with WorkerClosedError."""
+        with self._submit_lock:
+            self._closed = True
+        for w in self.shards:
+            w.close()
+
+    # Splitting and joining.
+
+    def _split_host(
+        self, x: Any, inplace: bool, out: np.ndarray | None
+    ) -> tuple[list[Any], list[dict[str, Any]], Any]:
+        # Chunks are views of a flat tensor of x's own kind (NumPy or torch), so that a
+        # bfloat16 torch tensor stays bfloat16 for the shards; the wire array (uint16
+        # bits for bfloat16) gives the storage type of the shared result.
+        shape = x.shape if hasattr(x, "shape") else None
+        if isinstance(x, np.ndarray):
+            native = np.ascontiguousarray(x).reshape(-1)
+        elif _is_torch(x):
+            native = x.detach().contiguous().reshape(-1)
+        else:
+            to_flat(x)  # raises the ConfigError naming the unsupported type
+            raise ConfigError(f"allreduce takes a NumPy array or a torch tensor, got {type(x).__name__}")
+        wire, dtype, restore = to_flat(native)
+        n = len(wire)
+        storage = np.dtype(dtype.storage)
+        bounds = shard_bounds(n, self.block_size, len(self.shards))
+        chunks = [native[lo:hi] for lo, hi in bounds]
+        if inplace:
+            if out is not None:
+                raise ConfigError("inplace and out cannot be used together")
+            if not shares_memory(x, wire):
+                raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
+            return chunks, [{"inplace": True} for _ in chunks], lambda _results: x
+        if out is None:
+            full = lazy_zeros(n, storage, self._written(wire, dtype.itemsize))
+        elif (
+            not isinstance(out, np.ndarray) or out.shape != (n,) or out.dtype != storage or not out.flags.writeable
+        ):
+            raise ConfigError(f"out must be a writeable flat {storage} array of {n} elements")
+        else:
+            full = out
+        return (
+            chunks,
+            [{"out": full[lo:hi]} for lo, hi in bounds],
+            lambda _results: restore(full).reshape(shape),
+        )
+
+    def _split_cuda(self, x: Any, inplace: bool, out: Any) -> tuple[list[Any], Any]:
+        if not _is_torch(x):
+            raise ConfigError(
+                "a sharded allreduce of a CUDA array supports torch tensors only; "
+                f"got {type(x).__name__} (wrap it with torch.as_tensor)"
+            )
+        if inplace or out is not None:
+            raise ConfigError("an in-place allreduce or out= of a CUDA tensor is not supported")
+        import torch
+
+        shape = x.shape
+        flat = x.detach().contiguous().reshape(-1)
+        bounds = shard_bounds(flat.numel(), self.block_size, len(self.shards))
+        # An empty chunk goes as an empty host tensor of the same dtype: the op's length
+        # and type are all the aggregator checks, and no device work is started for it.
+        chunks = [flat[lo:hi] if hi > lo else torch.empty(0, dtype=flat.dtype) for lo, hi in bounds]
+
+        def finish(results: list[Any]) -> Any:
+            parts = [r.reshape(-1) for r, (lo, hi) in zip(results, bounds) if hi > lo]
+            if not parts:
+                return torch.zeros(shape, dtype=flat.dtype, device=flat.device)
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(shape)
+
+        return chunks, finish
+
+    def _written(self, wire: np.ndarray, itemsize: int) -> float:
+        """The expected fraction of the result's 4 KiB pages that will be written.
+
+        The shards' ops compute each chunk's exact block mask later, on their own
+        threads; a sample of blocks is enough to choose how the result is allocated.
+        """
+        nb = len(wire) // self.block_size
+        if nb == 0:
+            return 1.0
+        rows = wire[: nb * self.block_size].reshape(nb, self.block_size)
+        picks = np.linspace(0, nb - 1, min(nb, _SAMPLE_BLOCKS)).astype(np.intp)
+        own = float(np.count_nonzero(rows[picks].any(axis=1))) / len(picks)
+        return _pages_written(own, self.world_size, self.block_size * itemsize)
+
+    # Errors and stats.
+
+    def _shard_error(self, k: int, error: BaseException) -> BaseException:
+        """Shard ``k``'s error as the same omnireduce type, its message naming the shard."""
+        where = f"shard {k} ({self.addresses[k]})"
+        new: BaseException
+        try:
+            if isinstance(error, OpError):
+                new = type(error)(f"{where}: {error.reason}", job=error.job, op=error.op, ranks=error.ranks)
+            elif isinstance(error, OmniReduceError):
+                new = type(error)(f"{where}: {error}")
+            else:
+                new = OpError(f"{where}: {error!r}", job=self.job)
+        except TypeError:  # a subclass with another constructor: keep the original
+            return error
+        new.__cause__ = error
+        return new
+
+    def _record(self, parts: list[OpStats | None], seconds: float) -> None:
+        merged = OpStats(seconds=seconds)
+        for s in parts:
+            if s is None:
+                continue
+            merged.op = s.op
+            for name in _SUMMED:
+                setattr(merged, name, getattr(merged, name) + getattr(s, name))
+            merged.rounds = max(merged.rounds, s.rounds)
+        with self._stats_lock:
+            self.stats.add(merged)
+
+
+def _identity(text: str) -> str:
+    return text
+
+
+def _is_torch(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except Exception:  # the caller cancelled the future: nobody waits for it
+        pass

@@ -26,10 +26,12 @@ __all__ = [
     "format_table",
     "write_outputs",
     "parse_size",
+    "add_predictions",
+    "median_model_error",
 ]
 
 #: The systems compared; gloo's dense all_reduce is the reference of every speedup.
-SYSTEMS = ("gloo", "gloo-sparse", "omnireduce")
+SYSTEMS = ("gloo", "gloo-sparse", "omnireduce", "omnireduce-dense", "omnireduce-auto")
 #: OmniReduce's microbenchmark densities (fraction of 256-element blocks that are nonzero).
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.05, 0.02, 0.01)
 #: 100 MB of float32, OmniReduce's tensor size.
@@ -140,14 +142,72 @@ def _speedups(rows: list[dict[str, Any]]) -> None:
         r["speedup_vs_gloo"] = base / r["median_s"] if base and r["median_s"] > 0 else None
 
 
+def add_predictions(
+    rows: list[dict[str, Any]],
+    params: Any,
+    *,
+    block_size: int = 256,
+    message_blocks: int | None = None,
+    streams: int | None = None,
+    shards: int = 1,
+) -> list[dict[str, Any]]:
+    """Attaches the cost model's prediction to every omnireduce and gloo row.
+
+    Sets ``predicted_s`` (omnireduce: :func:`omnireduce.model.sparse_time`; gloo dense:
+    :func:`omnireduce.model.ring_time`, gloo's algorithm for large tensors) and
+    ``model_error`` = (predicted - measured) / measured. Other rows are left alone.
+
+    Args:
+        rows: result rows (see :func:`row_from_event`); changed in place.
+        params: an :class:`omnireduce.model.CostParams`.
+        block_size: omnireduce's elements per block.
+        message_blocks: omnireduce's blocks per message; None: the library's default.
+        streams: omnireduce's streams per op; None: the library's default.
+        shards: aggregator shards.
+
+    Returns:
+        ``rows``.
+    """
+    from omnireduce import config, model
+
+    mb = message_blocks or config.DEFAULT_MESSAGE_BLOCKS
+    st = streams or config.DEFAULT_STREAMS
+    for r in rows:
+        n, w, d = r["elements"], r["workers"], r["density"]
+        if r["system"] == "omnireduce":
+            pred = model.sparse_time(n, w, params, d, block_size=block_size, message_blocks=mb, streams=st,
+                                     shards=shards)
+        elif r["system"] == "gloo":
+            pred = model.ring_time(4.0 * n, w, params)
+        else:
+            continue
+        r["predicted_s"] = pred
+        m = r.get("median_s")
+        r["model_error"] = (pred - m) / m if m and m > 0 and not math.isnan(m) else None
+    return rows
+
+
+def median_model_error(rows: list[dict[str, Any]], system: str = "omnireduce") -> float:
+    """Median of ``|model_error|`` over the rows of ``system`` that have one (NaN if none)."""
+    errs = [abs(r["model_error"]) for r in rows if r["system"] == system and r.get("model_error") is not None]
+    return statistics.median(errs) if errs else math.nan
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """One line per (workers, size, density): each system's median time and its speedup over gloo dense."""
+    """One line per (workers, size, density): each system's median time and its speedup over gloo dense.
+
+    Rows that carry ``predicted_s`` (see :func:`add_predictions`) also show the model's
+    prediction and its relative error.
+    """
     _speedups(rows)
     systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    predicted = {s for s in systems if any(r["system"] == s and r.get("predicted_s") is not None for r in rows)}
     keys = sorted({(r["workers"], r["elements"], r["density"]) for r in rows}, key=lambda k: (k[0], k[1], -k[2]))
     head = f"{'workers':>7} {'MB':>7} {'density':>7}"
     for s in systems:
         head += f" | {s + ' ms':>16} {'x gloo':>7}"
+        if s in predicted:
+            head += f" {'model ms':>9} {'error':>7}"
     head += f" | {'sent':>6} {'ok':>3}"
     lines = [head, "-" * len(head)]
     by_key = {(r["workers"], r["elements"], r["density"], r["system"]): r for r in rows}
@@ -158,12 +218,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         for s in systems:
             r = by_key.get((w, n, d, s))
             if r is None:
-                line += f" | {'-':>16} {'-':>7}"
+                line += f" | {'-':>16} {'-':>7}" + (f" {'-':>9} {'-':>7}" if s in predicted else "")
                 continue
             ok = ok and r.get("ok", True) is not False
             sp = r.get("speedup_vs_gloo")
             line += f" | {r['median_s'] * 1e3:>16.1f} {(f'{sp:.2f}' if sp else '-'):>7}"
-            if s == "omnireduce" and r.get("sent_fraction") is not None:
+            if s in predicted:
+                pred, err = r.get("predicted_s"), r.get("model_error")
+                line += f" {(f'{pred * 1e3:.1f}' if pred is not None else '-'):>9}"
+                line += f" {(f'{err * 100:+.0f}%' if err is not None else '-'):>7}"
+            if s.startswith("omnireduce") and r.get("sent_fraction") is not None:
                 sent = f"{r['sent_fraction'] * 100:.1f}%"
         line += f" | {sent:>6} {'yes' if ok else 'NO':>3}"
         lines.append(line)
@@ -193,7 +257,7 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: str, meta: dict[str, Any]
     cpath = os.path.join(out_dir, "results.csv")
     cols = [
         "workers", "elements", "density", "system", "median_s", "min_s", "max_s", "speedup_vs_gloo",
-        "ok", "sent_fraction", "repeats",
+        "ok", "sent_fraction", "repeats", "predicted_s", "model_error",
     ]
     with open(cpath, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")

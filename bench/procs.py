@@ -93,6 +93,10 @@ class _Case:
     def omnireduce(self) -> Any:
         return self.worker.allreduce(self.x)
 
+    def omnireduce_mode(self, worker: Any) -> Any:
+        # A tensor's density is stable from step to step: auto mode keys its history by case.
+        return worker.allreduce(self.x, key=(self.n, self.density))
+
 
 def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] = _emit) -> None:
     """Runs every case of ``spec`` as ``rank``; rank 0 emits one result event per case.
@@ -112,13 +116,17 @@ def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] =
         "gloo", init_method=f"file://{spec.store}", rank=rank, world_size=spec.world_size,
         timeout=timedelta(seconds=spec.op_timeout),
     )
-    worker = None
-    if "omnireduce" in spec.systems:
-        worker = Worker(
-            spec.address, rank=rank, world_size=spec.world_size, job=f"bench-{os.path.basename(spec.store)}",
-            block_size=spec.block_size, message_blocks=spec.message_blocks, streams=spec.streams,
-            timeout=spec.op_timeout,
-        )
+    # One worker per omnireduce system ("omnireduce" sparse, "omnireduce-dense", "omnireduce-auto").
+    workers: dict[str, Any] = {}
+    for system in spec.systems:
+        if system.startswith("omnireduce"):
+            mode = system.partition("-")[2] or "sparse"
+            workers[system] = Worker(
+                spec.address, rank=rank, world_size=spec.world_size,
+                job=f"bench-{os.path.basename(spec.store)}-{mode}", block_size=spec.block_size,
+                message_blocks=spec.message_blocks, streams=spec.streams, timeout=spec.op_timeout, mode=mode,
+            )
+    worker = workers.get("omnireduce")
     try:
         for n in spec.sizes:
             for density in spec.densities:
@@ -128,30 +136,37 @@ def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] =
                     case.reset_dense()
                     ref = case.gloo().numpy().copy()
                 for system in spec.systems:
-                    _time_system(spec, rank, case, system, ref, emit)
+                    _time_system(spec, rank, case, system, ref, emit, workers.get(system))
                 del case
     finally:
         # Every result is out by now: a close that hangs must not hold up the run.
-        closer = threading.Thread(target=_close, args=(worker, dist), daemon=True)
+        closer = threading.Thread(target=_close, args=(list(workers.values()), dist), daemon=True)
         closer.start()
         closer.join(_CLOSE_TIMEOUT_S)
         if closer.is_alive():
             logger.error("rank %d: closing the worker or the process group hung for %g s", rank, _CLOSE_TIMEOUT_S)
 
 
-def _close(worker: Any, dist: Any) -> None:
-    if worker is not None:
-        worker.close()
+def _close(workers: list[Any], dist: Any) -> None:
+    for w in workers:
+        w.close()
     dist.destroy_process_group()
 
 
 def _time_system(
-    spec: RankSpec, rank: int, case: _Case, system: str, ref: np.ndarray | None, emit: Callable[[dict[str, Any]], None]
+    spec: RankSpec,
+    rank: int,
+    case: _Case,
+    system: str,
+    ref: np.ndarray | None,
+    emit: Callable[[dict[str, Any]], None],
+    worker: Any = None,
 ) -> None:
     import torch
     import torch.distributed as dist
 
-    fn = {"gloo": case.gloo, "gloo-sparse": case.gloo_sparse, "omnireduce": case.omnireduce}[system]
+    fns = {"gloo": case.gloo, "gloo-sparse": case.gloo_sparse, "omnireduce": case.omnireduce}
+    fn = fns[system] if system in fns else (lambda: case.omnireduce_mode(worker))
     reset = {"gloo": case.reset_dense, "gloo-sparse": case.reset_sparse}.get(system)
     times = []
     result: Any = None
@@ -181,8 +196,8 @@ def _time_system(
             # Aggregator shards the omnireduce ops were split over (a comma-separated address).
             "shards": len([a for a in spec.address.split(",") if a]),
         }
-        if system == "omnireduce" and case.worker is not None and case.worker.stats.last is not None:
-            last = case.worker.stats.last
+        if worker is not None and worker.stats.last is not None:
+            last = worker.stats.last
             event.update(sent_fraction=last.sent_fraction, rounds=last.rounds, messages_sent=last.messages_sent)
         emit(event)
 

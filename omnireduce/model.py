@@ -59,9 +59,14 @@ class CostParams:
         mask_dense_s_per_byte: the same per byte of nonzero blocks (the kernel stops at the
             first nonzero word of a block).
         copy_s_per_byte: gathering or scattering blocks by index, per byte moved.
-        zero_s_per_byte: first touch of freshly allocated memory (page fault and zeroing), per byte.
+        zero_s_per_byte: first touch of freshly allocated memory (huge pages: fault and zeroing), per byte.
+        page_fault_s: first touch of one 4 KiB page of a lazily mapped sparse result.
         add_s_per_byte: summing one operand into another, per byte of the operand.
         per_message_s: CPU time of the Python path (encode, decode, engine) per protocol message.
+        scattered_s_per_byte: what scattered (not all-nonzero) blocks cost beyond the copies
+            above, per byte of the union: the aggregator's unaligned sums (a zeroed
+            accumulator, indexed adds, the result assembled block by block) and the
+            worker's per-round gathers and scatters. Measured on real ops by the calibration.
         cores: CPU cores the processes of one host share (loopback: all workers and the aggregator).
         full_duplex: whether sending and receiving on a link overlap (a real NIC); on loopback
             both directions are CPU work on the same cores, so they add.
@@ -74,8 +79,10 @@ class CostParams:
     mask_dense_s_per_byte: float = 0.05e-9
     copy_s_per_byte: float = 0.3e-9
     zero_s_per_byte: float = 0.15e-9
+    page_fault_s: float = 1e-6
     add_s_per_byte: float = 0.15e-9
     per_message_s: float = 40e-6
+    scattered_s_per_byte: float = 0.0
     cores: int = 2
     full_duplex: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
@@ -303,20 +310,25 @@ def sparse_estimate(
     # Every stream-round: up to n messages in and n out at the aggregator, 1 in and 1 out at a worker.
     messages = 2.0 * n * stream_rounds
     mask = size * ((1.0 - dens.max()) * p.mask_s_per_byte + dens.max() * p.mask_dense_s_per_byte)
-    # A fresh result: pages touched by a union block fault in (the whole tensor once a third is).
+    # A fresh result (worker.op.lazy_zeros): below 30% of 4 KiB pages written, a lazy mapping
+    # faults in each page a union block lands on; above, huge pages zero the whole tensor.
     pages = 1.0 - (1.0 - u) ** max(1.0, _PAGE / block_bytes)
-    pages = 1.0 if pages >= 0.3 else pages
-    result_pages = pages * size * p.zero_s_per_byte
+    if pages < 0.3 and size >= 1 << 22:
+        result_pages = pages * size / _PAGE * p.page_fault_s
+    else:
+        result_pages = size * p.zero_s_per_byte
     # Consecutive blocks (a dense op) go out as views; scattered ones are gathered.
     gather = 0.0 if dens.max() >= 1.0 else float(dens.max()) * size * p.copy_s_per_byte
     worker_cpu = gather + u * size * p.copy_s_per_byte + 2.0 * stream_rounds * p.per_message_s
     agg_cpu = (messages * p.per_message_s + bytes_in * p.add_s_per_byte) / shards
     transfer = _link(bytes_in / shards, bytes_out / shards, p)
     latency = crit * 2.0 * (p.alpha + p.per_message_s)
-    # n workers and the aggregator share the cores; the transfer's copies are CPU work too.
-    host_cpu = (n * worker_cpu + agg_cpu * shards + transfer * shards) / max(1, p.cores)
+    # n workers and the aggregator share the cores; every byte moved is CPU work at both ends.
+    host_cpu = (n * worker_cpu + agg_cpu * shards + 2 * transfer * shards) / max(1, p.cores)
     exchange = max(latency, agg_cpu + transfer, worker_cpu, host_cpu)
-    total = mask + result_pages + exchange
+    # A tensor whose blocks are not all nonzero takes the protocol's unaligned paths.
+    scattered = u * size * p.scattered_s_per_byte if dens.max() < 1.0 else 0.0
+    total = mask + result_pages + exchange + scattered
     return SparseEstimate(
         total=total, mask=mask, result_pages=result_pages, copies=worker_cpu, transfer=transfer, rounds=latency,
         union=u, critical_rounds=crit, stream_rounds=stream_rounds, messages=messages, bytes_in=bytes_in,
@@ -344,7 +356,7 @@ def choose_path(
 
     The dense alternative is a ring through a torch process group when one exists (plus
     nothing else: the tensor is used as is), else a dense transfer through the aggregator
-    (a parameter server without indices).
+    (every block sent, no mask pass).
 
     Args:
         elements: elements of the tensor.
@@ -363,7 +375,11 @@ def choose_path(
     if ring_available:
         dense = ring_time(size, world_size, p)
     else:
-        dense = parameter_server_time(size, world_size, p, shards=sparse_kwargs.get("shards", 1))
+        # The dense path through the aggregator is the block protocol with every block
+        # sent and no mask pass (worker.op's dense mode): the sparse model at density 1.
+        kwargs = {k: v for k, v in sparse_kwargs.items() if k != "union"}
+        full = sparse_estimate(elements, world_size, p, 1.0, element_size=element_size, union=1.0, **kwargs)
+        dense = full.total - full.mask
     path = "sparse" if sparse < dense else "dense"
     logger.debug("choose_path: %d elements, density %s: sparse %.3g s, dense %.3g s -> %s",
                  elements, density, sparse, dense, path)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from enum import IntEnum
 from typing import Any, ClassVar, Union
 
@@ -211,6 +211,10 @@ _CLASSES: dict[int, type] = {c.TYPE: c for c in (Hello, Bye, Start, Blocks, Resu
 _FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {
     c: tuple((f.name, f.type) for f in fields(c)) for c in _CLASSES.values()
 }
+# Fields with a default may be left out of a header (they were added in a later version).
+_OPTIONAL: dict[type, frozenset[str]] = {
+    c: frozenset(f.name for f in fields(c) if f.default is not MISSING) for c in _CLASSES.values()
+}
 _DTYPES = frozenset(int(d) for d in DType)
 
 
@@ -314,6 +318,8 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
     if cls is None:
         raise ProtocolError(f"unknown message type {_short(kind)}")
     names = [name for name, _ in _FIELDS[cls]]
+    for name in _OPTIONAL[cls] - set(header):
+        header[name] = None
     if set(header) != set(names):
         missing = sorted(set(names) - set(header))
         extra = sorted(map(str, set(header) - set(names)))

@@ -80,8 +80,10 @@ class PathChooser:
             union = self._union.get(key)
         if union is None or calls % self.probe_every == 0:
             return "sparse"
+        # Each worker's own density, for random blocks, from the union the aggregator returned.
+        density = 1.0 - (1.0 - min(union, 1.0)) ** (1.0 / max(1, self.world_size))
         path, sparse_s, dense_s = model.choose_path(
-            elements, union, self.world_size, self.costs, ring_available=self.ring_available,
+            elements, density, self.world_size, self.costs, ring_available=self.ring_available,
             element_size=element_size, union=union, **self.layout,
         )
         logger.debug("auto %r: union %.4f, sparse %.3g s, dense %.3g s -> %s", key, union, sparse_s, dense_s, path)

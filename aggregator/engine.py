@@ -43,6 +43,7 @@ from omnireduce.protocol import (
     buffer_of,
     decode,
     encode,
+    expand_pointers,
     index_array,
 )
 
@@ -403,9 +404,9 @@ class Engine:
             raise _OpFailed(ErrorCode.LIMIT, f"messages of this op would carry up to {message} bytes, above the "
                             f"limit of {lim.max_message_bytes}; use smaller blocks or fewer blocks per message")
         # Checked before anything is allocated for the op.
-        if len(data) != 1 or buffer_of(data[0]).nbytes != 8 * layout.num_columns:
-            raise _OpFailed(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry {layout.num_columns} "
-                            "column pointers")
+        if len(data) != 1 or buffer_of(data[0]).nbytes > 8 * layout.num_columns:
+            raise _OpFailed(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry at most "
+                            f"{layout.num_columns} column pointers")
         op = _Op(
             job=msg.job, op=msg.op, world_size=msg.world_size, layout=layout, dtype=dtype,
             params=_params(msg), started=self._clock(), peers=[None] * msg.world_size,
@@ -448,13 +449,12 @@ class Engine:
             raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank} joined the op twice", [msg.rank])
         if len(data) != 1:
             raise _OpFailed(ErrorCode.PROTOCOL, f"START from rank {msg.rank} has {len(data)} frames, expected 1")
-        first = index_array(data[0])
-        cols = np.arange(op.layout.num_columns, dtype=np.int64)
-        if len(first) != len(cols):
-            raise _OpFailed(
-                ErrorCode.PROTOCOL, f"rank {msg.rank} sent {len(first)} column pointers, expected {len(cols)}"
-            )
-        self._check_pointers(op, first, cols, _EMPTY_INDEX, msg.rank)
+        lay = op.layout
+        try:
+            first = expand_pointers(index_array(data[0]), 0, lay.num_columns, lay.num_columns, lay.num_blocks)
+        except ProtocolError as e:
+            raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank} sent block pointers outside its columns: {e}",
+                            [msg.rank]) from None
         op.nextp[msg.rank] = first
         op.peers[msg.rank] = peer
         if msg.weight is not None:
@@ -516,7 +516,7 @@ class Engine:
         s.match = (table == cur) & active
         s.expected = set(np.flatnonzero(s.match.any(axis=1)).tolist())
         s.received = {}
-        frames = encode(Result(op.job, op.op, s.index, s.round, batches), cur, payload)
+        frames = encode(Result(op.job, op.op, s.index, s.round, batches), cur[active], payload)
         s.cur = cur
         if not active.any():
             s.done = True

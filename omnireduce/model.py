@@ -43,7 +43,7 @@ __all__ = [
 
 #: Where ``omnireduce-calibrate`` writes its parameters by default.
 DEFAULT_COSTS_PATH = os.path.join(os.path.expanduser("~"), ".cache", "omnireduce", "costs.json")
-# Bytes of one block pointer on the wire (int64), sent with every block and every column instruction.
+# Bytes of one block pointer on the wire (int64), sent with every block and every instruction.
 _INDEX_BYTES = 8
 _PAGE = 4096
 
@@ -302,10 +302,11 @@ def sparse_estimate(
     per_stream_rounds = expected_max_rounds(nb, cols, u, per_stream) + 1.0
     stream_rounds = nstreams * per_stream_rounds
     block_bytes = block_size * element_size
-    # Worker -> aggregator: own blocks, each with the pointer to its next; START: one pointer per column.
-    sent = dens * size * (1.0 + _INDEX_BYTES / block_bytes) + _INDEX_BYTES * cols
-    # Aggregator -> each worker: the union's sums, and one instruction pointer per column per round.
-    recv = u * size + _INDEX_BYTES * per_stream * stream_rounds
+    # Worker -> aggregator: own blocks, each with the pointer to its next; START: the first
+    # nonzero block of each column that has one (only finite pointers travel).
+    sent = dens * size * (1.0 + _INDEX_BYTES / block_bytes) + _INDEX_BYTES * np.minimum(cols, dens * nb)
+    # Aggregator -> each worker: the union's sums, and the instruction: one pointer per union block.
+    recv = u * size * (1.0 + _INDEX_BYTES / block_bytes)
     bytes_in, bytes_out = float(sent.sum()), n * recv
     # Every stream-round: up to n messages in and n out at the aggregator, 1 in and 1 out at a worker.
     messages = 2.0 * n * stream_rounds

@@ -37,6 +37,7 @@ import numpy as np
 
 from omnireduce.dtypes import DType
 from omnireduce.errors import ProtocolError
+from omnireduce.layout import INF
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -55,6 +56,8 @@ __all__ = [
     "index_array",
     "INDEX_DTYPE",
     "MAX_HEADER_BYTES",
+    "compact_pointers",
+    "expand_pointers",
     "MAX_ERROR_HEADER_BYTES",
     "MAX_NAME",
     "MAX_WORLD_SIZE",
@@ -63,7 +66,8 @@ __all__ = [
 assert sys.byteorder == "little", "omnireduce's wire format assumes a little-endian host"
 
 #: 2: HELLO, job tokens and generations, more error codes.
-#: 3: weighted ops and compute-time reports in START, batch recommendations in RESULT.
+#: 3: weighted ops and compute-time reports in START, batch recommendations in RESULT;
+#: START and RESULT carry only the finite column pointers.
 PROTOCOL_VERSION = 3
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
@@ -131,7 +135,8 @@ class Start:
     all workers of an op must agree) and ``compute`` (seconds the worker computed
     since its previous op, for batch balancing; None if not measured) are optional.
 
-    Frames: the first nonzero block index of every column (int64, INF if none).
+    Frames: the first nonzero block of every column that has one (int64, in column
+    order; see :func:`compact_pointers`).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.START
@@ -168,9 +173,10 @@ class Blocks:
 class Result:
     """The aggregator's answer to a round of one stream, sent to every worker.
 
-    Frames: the next instruction, one block index per column of the stream
-    (int64, INF where the column is finished), then the summed payload of the
-    columns instructed in the previous round (empty after round 0).
+    Frames: the next instruction, the block to send of every column of the stream
+    that is not finished (int64, in column order; see :func:`compact_pointers`),
+    then the summed payload of the columns instructed in the previous round (empty
+    after round 0).
 
     ``batches``, in round 0 of stream 0 only, is the aggregator's recommended
     batch size per rank (floats summing to the op's total weight), from the ranks'
@@ -247,6 +253,46 @@ def index_array(frame: Any) -> np.ndarray:
     if buf.nbytes % INDEX_DTYPE.itemsize:
         raise ProtocolError(f"index frame of {buf.nbytes} bytes is not a multiple of 8")
     return np.frombuffer(buf, dtype=INDEX_DTYPE)
+
+
+def compact_pointers(ptrs: np.ndarray) -> np.ndarray:
+    """The wire form of a run of column pointers: the finite ones, in column order.
+
+    A column's pointer is a block of that column (block ``b`` is in column
+    ``b mod C``), so the block says which column it is for, and columns that are
+    finished (INF) need not be sent: a sparse tensor's pointers cost what its
+    nonzero blocks do, not what its columns do.
+    """
+    return ptrs[ptrs != INF]
+
+
+def expand_pointers(ids: np.ndarray, first: int, count: int, num_columns: int, num_blocks: int) -> np.ndarray:
+    """The column pointers of columns ``first .. first + count - 1`` from their wire form.
+
+    Args:
+        ids: the finite pointers, in column order (from :func:`compact_pointers`).
+        first: the first column of the run.
+        count: columns in the run.
+        num_columns: columns of the layout.
+        num_blocks: blocks of the tensor.
+
+    Returns:
+        One pointer per column of the run, INF where none was sent.
+
+    Raises:
+        ProtocolError: a pointer outside the tensor or the run, or two for one column,
+            or not in column order.
+    """
+    out = np.full(count, INF, dtype=INDEX_DTYPE)
+    if len(ids) == 0:
+        return out
+    if len(ids) > count or ids.min() < 0 or ids.max() >= num_blocks:
+        raise ProtocolError(f"{len(ids)} block pointers for {count} columns, or pointers outside the tensor")
+    cols = ids % num_columns - first
+    if cols[0] < 0 or cols[-1] >= count or (len(cols) > 1 and not (np.diff(cols) > 0).all()):
+        raise ProtocolError("block pointers outside their columns, repeated or not in column order")
+    out[cols] = ids
+    return out
 
 
 def _check_int(name: str, v: Any, optional: bool = False) -> None:

@@ -91,3 +91,27 @@ def test_start_checks_rank_and_dtype() -> None:
 def test_index_frame_must_be_whole_indices() -> None:
     with pytest.raises(ProtocolError, match="multiple of 8"):
         index_array(b"\x00" * 12)
+
+
+def test_pointers_travel_compact_and_expand_back() -> None:
+    from omnireduce.layout import INF
+    from omnireduce.protocol import compact_pointers, expand_pointers
+
+    # 10 columns of a 35-block tensor; columns 2..6 form the run.
+    ptrs = np.array([12, INF, 4, INF, 26], dtype=np.int64)
+    wire_ids = compact_pointers(ptrs)
+    assert wire_ids.tolist() == [12, 4, 26]
+    np.testing.assert_array_equal(expand_pointers(wire_ids, 2, 5, 10, 35), ptrs)
+    assert (expand_pointers(wire_ids[:0], 2, 5, 10, 35) == INF).all()
+    bad = {
+        "outside the tensor": [12, 4, 36],
+        "negative": [-8, 4],
+        "column before the run": [11],
+        "column after the run": [17],
+        "same column twice": [12, 22],
+        "out of column order": [4, 12],
+        "more pointers than columns": [2, 3, 4, 5, 6, 12],
+    }
+    for why, ids in bad.items():
+        with pytest.raises(ProtocolError):
+            expand_pointers(np.array(ids, dtype=np.int64), 2, 5, 10, 35)

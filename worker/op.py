@@ -18,7 +18,16 @@ from omnireduce import blocks
 from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError, ProtocolError
 from omnireduce.layout import INF, Layout
-from omnireduce.protocol import Blocks, Result, Start, buffer_of, encode, index_array
+from omnireduce.protocol import (
+    Blocks,
+    Result,
+    Start,
+    buffer_of,
+    compact_pointers,
+    encode,
+    expand_pointers,
+    index_array,
+)
 from worker.stats import OpStats, frames_nbytes
 
 logger = logging.getLogger(__name__)
@@ -160,7 +169,7 @@ class WorkerOp:
                 self.layout.block_size, self.layout.message_blocks, self.layout.streams,
                 self.weight, self.compute,
             ),
-            self._mynext,
+            compact_pointers(self._mynext),
         )
         self._count_sent(frames, 0)
         return frames
@@ -203,9 +212,11 @@ class WorkerOp:
         elif len(payload):
             raise ProtocolError("round 0 result carries data")
         cols = self.layout.stream_columns(s)
-        cur = index_array(data[0])
-        if len(cur) != cols.stop - cols.start:
-            raise ProtocolError(f"instruction for stream {s} has {len(cur)} columns, expected {cols.stop - cols.start}")
+        try:
+            cur = expand_pointers(index_array(data[0]), cols.start, cols.stop - cols.start,
+                                  self.layout.num_columns, self.layout.num_blocks)
+        except ProtocolError as e:
+            raise ProtocolError(f"instruction for stream {s}: {e}") from None
         self._cur[s] = cur
         self._rounds[s] += 1
         self.stats.rounds = max(self.stats.rounds, self._rounds[s])

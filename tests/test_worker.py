@@ -179,3 +179,43 @@ def test_inplace_and_out_write_the_sum_where_asked(aggregator: Aggregator) -> No
         assert np.shares_memory(o, bufs[r]) and o.shape == (200, 200)
         np.testing.assert_array_equal(o, expect_a)
         np.testing.assert_array_equal(after, expect_a)
+
+
+def test_dense_and_auto_modes_are_exact_and_pick_by_density(aggregator: Aggregator, tmp_path, monkeypatch) -> None:
+    from omnireduce.model import CostParams
+
+    # Loopback-like fixed parameters, so the choice does not depend on this host's calibration.
+    costs = CostParams(alpha=20e-6, beta=2e-10, scattered_s_per_byte=1.5e-9).save(str(tmp_path / "costs.json"))
+    monkeypatch.setenv("OMNIREDUCE_COSTS", costs)
+    rng = np.random.default_rng(11)
+    n = 1 << 20
+    dense = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    sparse_x = [sparse(rng, n, 0.01) for _ in range(2)]
+
+    def rank(r: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        with Worker(aggregator.address, rank=r, world_size=2, job="mode-dense", timeout=20, mode="dense") as w:
+            out["dense_mode"] = w.allreduce(sparse_x[r])
+            out["dense_mode_sent"] = w.stats.last.blocks_sent
+        with Worker(aggregator.address, rank=r, world_size=2, job="mode-auto", timeout=20, mode="auto") as w:
+            sent = {"d": [], "s": []}
+            for _ in range(3):
+                out["auto_dense"] = w.allreduce(dense[r], key="d")
+                sent["d"].append(w.stats.last.path)
+                out["auto_sparse"] = w.allreduce(sparse_x[r], key="s")
+                sent["s"].append((w.stats.last.path, w.stats.last.blocks_sent))
+            out["auto_sent"] = sent
+        return out
+
+    blocks = n // 256
+    for r, out in enumerate(run_ranks(2, rank)):
+        np.testing.assert_array_equal(out["dense_mode"], sparse_x[0] + sparse_x[1])
+        assert out["dense_mode_sent"] == blocks  # every block, zero or not
+        np.testing.assert_array_equal(out["auto_dense"], dense[0] + dense[1])
+        np.testing.assert_array_equal(out["auto_sparse"], sparse_x[0] + sparse_x[1])
+        own = int(np.count_nonzero(sparse_x[r].reshape(-1, 256).any(1)))
+        # The first op of each tensor measures (sparse); then dense goes dense, sparse stays sparse.
+        assert out["auto_sent"]["s"] == [("sparse", own)] * 3
+        assert out["auto_sent"]["d"] == ["sparse", "dense", "dense"]
+    with pytest.raises(ConfigError, match="mode"):
+        Worker(aggregator.address, rank=0, world_size=1, mode="fast")

@@ -155,7 +155,9 @@ class WorkerOp:
         self._cur: list[np.ndarray | None] = [None] * layout.num_streams
         self._rounds = [0] * layout.num_streams
         self._left = layout.num_streams
-        self.stats = OpStats(op=op, elements=layout.length, dense_bytes=layout.length * dtype.itemsize)
+        self.stats = OpStats(
+            op=op, elements=layout.length, dense_bytes=layout.length * dtype.itemsize, path="dense" if dense else "sparse"
+        )
 
     @property
     def done(self) -> bool:

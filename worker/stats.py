@@ -32,6 +32,8 @@ class OpStats:
     messages_received: int = 0
     rounds: int = 0
     seconds: float = 0.0
+    #: "sparse" (zero blocks detected and skipped) or "dense" (every block sent).
+    path: str = "sparse"
 
     @property
     def sent_fraction(self) -> float:

@@ -287,3 +287,21 @@ def test_ddp_hook_and_backend_through_shards(shards: list[Aggregator], tmp_path)
         assert res["backend"] == "omnireduce"
         torch.testing.assert_close(res["all_reduce"], torch.arange(6, dtype=torch.float32) * 3)
         torch.testing.assert_close(res["got"], res["expected"])
+
+
+def test_small_inplace_tensors_and_op_stats_through_shards(shards: list[Aggregator]) -> None:
+    """A tensor with fewer blocks than shards leaves a shard an empty chunk, in place too;
+    the sharded future carries the op's stats, as a plain Worker's does."""
+    addrs = [a.address for a in shards[:2]]
+    xs = [np.full(10, r + 1, np.float32) for r in range(2)]
+
+    def rank(r: int) -> tuple[np.ndarray, Any]:
+        with Worker(addrs, rank=r, world_size=2, job="small-inplace", timeout=20) as w:
+            y = xs[r].copy()
+            fut = w.allreduce_async(y, inplace=True)
+            assert fut.result() is y
+            return y, fut.op_stats
+
+    for y, stats in run_ranks(2, rank):
+        np.testing.assert_array_equal(y, np.full(10, 3, np.float32))
+        assert stats.path == "sparse" and stats.blocks_received == 1

@@ -219,3 +219,29 @@ def test_dense_and_auto_modes_are_exact_and_pick_by_density(aggregator: Aggregat
         assert out["auto_sent"]["d"] == ["sparse", "dense", "dense"]
     with pytest.raises(ConfigError, match="mode"):
         Worker(aggregator.address, rank=0, world_size=1, mode="fast")
+
+
+def test_refused_calls_and_cancelled_futures_keep_the_ranks_in_step(aggregator: Aggregator) -> None:
+    """Whatever fails or is cancelled, the op numbers of the ranks stay aligned."""
+    x = np.arange(1000, dtype=np.float32)
+
+    def rank(r: int) -> np.ndarray:
+        with Worker(aggregator.address, rank=r, world_size=2, job="in-step", timeout=20, mode="auto") as w:
+            if r == 0:
+                with pytest.raises(ConfigError, match="hashable"):
+                    w.allreduce(x, key=["bucket", 0])
+                with pytest.raises(ConfigError, match="together"):
+                    w.allreduce(x.copy(), inplace=True, out=np.zeros(1000, np.float32))
+                frozen = x.copy()
+                frozen.flags.writeable = False
+                with pytest.raises(ConfigError, match="writeable"):
+                    w.allreduce(frozen, inplace=True)
+                with pytest.raises(ConfigError, match="out must be"):
+                    w.allreduce(x, out=np.zeros(3, np.float32))
+            # A cancelled op still runs (the other rank waits for it); its result goes nowhere.
+            f = w.allreduce_async(x)
+            f.cancel()
+            return w.allreduce(x * 2)
+
+    for y in run_ranks(2, rank):
+        np.testing.assert_array_equal(y, x * 4)

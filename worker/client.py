@@ -329,6 +329,8 @@ class Worker:
                                   or not math.isfinite(v) or v < 0 or (positive and v == 0)):
                 raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
                                   f"got {v!r}")
+        if inplace and out is not None:
+            raise ConfigError("inplace and out cannot be used together")
         data: CudaOpData | None = None
         if is_cuda_tensor(x):
             if inplace or out is not None:
@@ -341,6 +343,8 @@ class Worker:
             length = len(flat)
             if inplace and not shares_memory(x, flat):
                 raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
+            if inplace and not flat.flags.writeable:
+                raise ConfigError("an in-place allreduce needs a writeable tensor")
             if inplace:
                 restore = lambda _out: x  # noqa: E731
             if out is not None and (
@@ -348,6 +352,20 @@ class Worker:
                 or out.dtype != np.dtype(dtype.storage) or not out.flags.writeable
             ):
                 raise ConfigError(f"out must be a writeable flat {np.dtype(dtype.storage)} array of {length} elements")
+        # Everything that can fail happens before the op takes its number: a number
+        # taken by an op that is never sent would pair this rank's later ops with
+        # the other ranks' earlier ones.
+        Layout(length, self.block_size, self.message_blocks, self.streams)
+        dense, auto_key = False, None
+        if data is None and self.mode == "dense":
+            dense = True
+        elif data is None and self._chooser is not None:
+            auto_key = (length, int(dtype)) if key is None else key
+            try:
+                hash(auto_key)
+            except TypeError:
+                raise ConfigError(f"key must be hashable, got {type(auto_key).__name__}") from None
+            dense = self._chooser.choose(auto_key, length, dtype.itemsize) == "dense"
         fut: Future = Future()
         with self._submit_lock:
             if self._closed or self._dead is not None:
@@ -357,12 +375,6 @@ class Worker:
                 compute_time = time.monotonic() - self._idle_since
             self._outstanding += 1
             fut.add_done_callback(self._op_finished)
-            dense, auto_key = False, None
-            if data is None and self.mode == "dense":
-                dense = True
-            elif data is None and self._chooser is not None:
-                auto_key = (length, int(dtype)) if key is None else key
-                dense = self._chooser.choose(auto_key, length, dtype.itemsize) == "dense"
             self._submissions.put(_Submission(
                 op, flat, dtype, restore, fut, length, inplace, data, out,
                 None if weight is None else float(weight), None if compute_time is None else float(compute_time),
@@ -458,7 +470,9 @@ class Worker:
                 self._expire(pending)
         except Exception as e:
             logger.exception("worker rank %d of job %r: communication thread died", self.rank, self.job)
-            self._dead = e
+            with self._submit_lock:
+                # Under the lock: no submission can be queued after the drains below.
+                self._dead = e
             for p in pending.values():
                 _fail(p.future, WorkerClosedError(f"communication thread died: {e!r}"))
             self._drain_submissions(WorkerClosedError(f"communication thread died: {e!r}"))
@@ -574,7 +588,10 @@ class Worker:
             if sub is None:
                 return True
             if not sub.future.set_running_or_notify_cancel():
-                continue
+                # Cancelled while queued: the op still runs (the other ranks wait for
+                # its number), its result goes nowhere.
+                sub.future = Future()
+                sub.future.set_running_or_notify_cancel()
             if self._refused is not None:
                 r = self._refused
                 sub.future.set_exception(type(r)(r.reason, job=self.job, op=sub.op, ranks=r.ranks))
@@ -590,6 +607,12 @@ class Worker:
                 frames = state.start()
             except OmniReduceError as e:
                 sub.future.set_exception(e)
+                continue
+            except Exception as e:  # e.g. MemoryError: fail this op, not the thread
+                logger.exception("worker rank %d of job %r op %d: setting up the op failed", self.rank, self.job,
+                                 sub.op)
+                sub.future.set_exception(OpError(f"op {sub.op}: setting up the op failed: {e!r}",
+                                                 job=self.job, op=sub.op))
                 continue
             pending[sub.op] = _Pending(state, sub.restore, sub.future, now, now, sub.auto_key)
             self._post(sub.op, frames)

@@ -144,11 +144,15 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
     """
     buf = bucket.buffer()
     what = f"allreduce of DDP bucket {bucket.index()} ({buf.numel()} x {buf.dtype})"
+    key = (bucket.index(), buf.numel(), buf.dtype)
     if state.error is not None:
+        if state._chooser is not None and state._chooser.union(key) is not None:
+            # The other ranks wait in the agreement below: vote sparse, so that they go on to
+            # omnireduce (which fails within its timeout) instead of blocking in gloo.
+            dist.all_reduce(torch.zeros(1, dtype=torch.int32), op=dist.ReduceOp.MIN, group=state.dense_group)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_exception(RuntimeError(f"omnireduce {what} skipped after an earlier failure: {state.error}"))
         return fut
-    key = (bucket.index(), buf.numel(), buf.dtype)
     path = state.mode
     if state._chooser is not None:
         path = state._chooser.choose(key, buf.numel(), buf.element_size())
@@ -179,7 +183,9 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
 
         def measured(src: ConcurrentFuture) -> None:
             stats = getattr(src, "op_stats", None)
-            if stats is not None and nb:
+            # Only a sparse op measures the density: a worker in its own dense mode
+            # returns every block.
+            if stats is not None and nb and stats.path == "sparse":
                 chooser.record(key, stats.blocks_received / nb)
 
         # Added before the callback that completes the bucket, so the density is

@@ -95,7 +95,7 @@ class _Gather:
                 return  # failed already: the first error wins
             if error is None:
                 self.results[k] = fut.result()
-                self.stats[k] = self.owner.shards[k].stats.last
+                self.stats[k] = getattr(fut, "op_stats", None) or self.owner.shards[k].stats.last
                 self.left -= 1
                 if self.left:
                     return
@@ -110,7 +110,9 @@ class _Gather:
                              self.owner.rank, self.owner.job)
             _settle(self.future, error=e if isinstance(e, OmniReduceError) else OpError(f"result conversion: {e!r}"))
             return
-        self.owner._record(self.stats, time.monotonic() - self.started)
+        merged = self.owner._record(self.stats, time.monotonic() - self.started)
+        # As a plain Worker's future: who waits can see what the op moved (the DDP hook's auto mode).
+        self.future.op_stats = merged  # type: ignore[attr-defined]
         _settle(self.future, result=result)
 
 
@@ -231,7 +233,9 @@ class ShardedWorker(Worker):
                     shard_futures.append(w.allreduce_async(chunk, **chunk_kwargs[k], **kwargs))
                 except BaseException as e:
                     if k == 0:
-                        raise  # nothing was submitted: the shards' op numbers still agree
+                        # Nothing was submitted: a Worker takes no op number before its
+                        # checks pass, so the shards' op numbers still agree.
+                        raise
                     # Shards 0..k-1 took the op and shard k did not: their op numbers no
                     # longer agree, so no later op can be right.
                     self._broken = e
@@ -256,8 +260,8 @@ class ShardedWorker(Worker):
         """Shard 0's aggregator's recommended batch size per rank, or None.
 
         Every shard gets the same weights and (measured alike) compute times, so one
-        shard's recommendation stands for all; shard 0 gets a chunk of every op of
-        at least one block.
+        shard's recommendation stands for all; shard 0 takes part in every op (with
+        an empty chunk when the tensor has fewer blocks than there are shards).
         """
         return self.shards[0].recommended_batches
 
@@ -366,17 +370,20 @@ class ShardedWorker(Worker):
         new.__cause__ = error
         return new
 
-    def _record(self, parts: list[OpStats | None], seconds: float) -> None:
+    def _record(self, parts: list[OpStats | None], seconds: float) -> OpStats:
         merged = OpStats(seconds=seconds)
         for s in parts:
             if s is None:
                 continue
             merged.op = s.op
+            if s.path == "dense":
+                merged.path = "dense"
             for name in _SUMMED:
                 setattr(merged, name, getattr(merged, name) + getattr(s, name))
             merged.rounds = max(merged.rounds, s.rounds)
         with self._stats_lock:
             self.stats.add(merged)
+        return merged
 
 
 def _identity(text: str) -> str:

@@ -64,6 +64,8 @@ def _torch_to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], An
 
 def shares_memory(x: Any, flat: np.ndarray) -> bool:
     """Whether ``flat`` (from :func:`to_flat`) is ``x``'s own memory, so that writing it writes ``x``."""
+    if flat.size == 0:
+        return True  # nothing to write: any empty tensor (a shard's empty chunk) qualifies
     if isinstance(x, np.ndarray):
         return bool(np.shares_memory(x, flat)) and x.size == flat.size
     if _is_torch(x):

@@ -4,7 +4,8 @@
 
 With ``OMNIREDUCE_ADDRESS`` unset, rank 0 starts an aggregator in-process on
 ``MASTER_ADDR:MASTER_PORT+1`` and every rank uses it; set the variable to use a
-running ``omnireduce-aggregator`` instead. ``--hook gloo`` runs the same training
+running ``omnireduce-aggregator`` instead. ``--hook auto`` sends each bucket through omnireduce or
+gloo, whichever the cost model predicts faster. ``--hook gloo`` runs the same training
 with DDP's default gloo allreduce for comparison.
 
 The data is generated: a hidden "true" model labels random categorical and dense
@@ -60,7 +61,8 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--dense", type=int, default=13)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--hook", choices=["omnireduce", "gloo"], default="omnireduce")
+    p.add_argument("--hook", choices=["omnireduce", "auto", "gloo"], default="omnireduce",
+                   help="auto: each bucket through omnireduce or gloo, whichever the cost model predicts faster")
     p.add_argument("--log-every", type=int, default=20)
     args = p.parse_args()
 
@@ -70,7 +72,7 @@ def main() -> None:
     aggregator = None
     if "OMNIREDUCE_ADDRESS" not in os.environ:
         address = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{int(os.environ.get('MASTER_PORT', 29500)) + 1}"
-        if rank == 0 and args.hook == "omnireduce":
+        if rank == 0 and args.hook != "gloo":
             from aggregator import Aggregator
 
             aggregator = Aggregator(listen=address, timeout=60).start()
@@ -79,12 +81,17 @@ def main() -> None:
     torch.manual_seed(0)
     model = DDP(CTRModel(args.tables, args.vocab, args.dim, args.dense))
     worker = None
-    if args.hook == "omnireduce":
+    state = None
+    if args.hook != "gloo":
         from worker import Worker
         from worker.ddp import OmniReduceState, omnireduce_hook
 
         worker = Worker(job="ctr-example")
-        model.register_comm_hook(OmniReduceState(worker), omnireduce_hook)
+        if args.hook == "auto":
+            state = OmniReduceState(worker, dense_group=dist.group.WORLD, mode="auto")
+        else:
+            state = OmniReduceState(worker)
+        model.register_comm_hook(state, omnireduce_hook)
     opt = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     loss_fn = nn.BCEWithLogitsLoss()
     times: list[float] = []
@@ -103,6 +110,8 @@ def main() -> None:
             if worker is not None:
                 total = worker.stats.total
                 msg += f"  sent {total.bytes_sent / 1e6:.1f} MB of {total.dense_bytes / 1e6:.1f} MB dense ({total.sent_fraction:.1%})"
+            if state is not None and state.mode == "auto":
+                msg += f"  buckets sparse/dense {state.paths['sparse']}/{state.paths['dense']}"
             print(msg, flush=True)
             window, times = 0.0, []
     if worker is not None:

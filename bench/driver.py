@@ -234,6 +234,8 @@ def add_args(p: Any) -> None:
     p.add_argument("--op-timeout", type=float, default=300.0, help="seconds any one operation may take")
     p.add_argument("--time-limit", type=float, default=3600.0,
                    help="seconds for the whole run; past it everything is stopped and partial results kept")
+    p.add_argument("--interleave", action="store_true",
+                   help="time the systems round-robin per repetition (fairer on a noisy machine)")
     p.add_argument("--sparse-io", action="store_true",
                    help="time gloo sparse from the dense tensor to the dense sum (conversions included); "
                         "by default only the all_reduce of a prebuilt COO tensor is timed")
@@ -321,7 +323,8 @@ def run(
                 repeats=args.repeats, warmup=args.warmup, block_size=args.block_size,
                 message_blocks=args.message_blocks, streams=args.streams, seed=args.seed,
                 op_timeout=args.op_timeout, torch_threads=args.torch_threads, check=not args.no_check,
-                extra={"sparse_io": args.sparse_io, "pattern_block": args.pattern_block},
+                extra={"sparse_io": args.sparse_io, "pattern_block": args.pattern_block,
+                       "interleave": args.interleave},
             )
             run_world(spec, placement_for(w), os.path.join(out_dir, "logs"), deadline, on_event)
     except (BenchError, KeyboardInterrupt) as e:

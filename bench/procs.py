@@ -135,8 +135,7 @@ def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] =
                 if spec.check:
                     case.reset_dense()
                     ref = case.gloo().numpy().copy()
-                for system in spec.systems:
-                    _time_system(spec, rank, case, system, ref, emit, workers.get(system))
+                _time_cases(spec, rank, case, ref, emit, workers)
                 del case
     finally:
         # Every result is out by now: a close that hangs must not hold up the run.
@@ -153,11 +152,57 @@ def _close(workers: list[Any], dist: Any) -> None:
     dist.destroy_process_group()
 
 
-def _time_system(
+def _runner(case: _Case, system: str, worker: Any) -> tuple[Callable[[], Any], Callable[[], None] | None]:
+    """The timed call of a system and what resets its input before each call."""
+    fns = {"gloo": case.gloo, "gloo-sparse": case.gloo_sparse, "omnireduce": case.omnireduce}
+    fn = fns[system] if system in fns else (lambda: case.omnireduce_mode(worker))
+    return fn, {"gloo": case.reset_dense, "gloo-sparse": case.reset_sparse}.get(system)
+
+
+def _timed(fn: Callable[[], Any], reset: Callable[[], None] | None) -> tuple[float, Any]:
+    """One call, started together on every rank."""
+    import torch.distributed as dist
+
+    if reset is not None:
+        reset()
+    dist.barrier()
+    t0 = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - t0, result
+
+
+def _time_cases(
+    spec: RankSpec,
+    rank: int,
+    case: _Case,
+    ref: np.ndarray | None,
+    emit: Callable[[dict[str, Any]], None],
+    workers: dict[str, Any],
+) -> None:
+    """Times every system on one case: one after the other, or round-robin per repetition
+    (``extra["interleave"]``), so that a slow spell of a shared machine hits every system alike."""
+    runners = {system: _runner(case, system, workers.get(system)) for system in spec.systems}
+    reps = spec.warmup + spec.repeats
+    if spec.extra.get("interleave", False):
+        schedule = [system for _ in range(reps) for system in spec.systems]
+    else:
+        schedule = [system for system in spec.systems for _ in range(reps)]
+    times: dict[str, list[float]] = {system: [] for system in spec.systems}
+    for system in schedule:
+        dt, result = _timed(*runners[system])
+        times[system].append(dt)
+        if len(times[system]) == reps:
+            # Checked at once: gloo's result lives in a buffer its next call would overwrite.
+            _report(spec, rank, case, system, times[system][spec.warmup:], result, ref, emit, workers.get(system))
+
+
+def _report(
     spec: RankSpec,
     rank: int,
     case: _Case,
     system: str,
+    times: list[float],
+    result: Any,
     ref: np.ndarray | None,
     emit: Callable[[dict[str, Any]], None],
     worker: Any = None,
@@ -165,21 +210,6 @@ def _time_system(
     import torch
     import torch.distributed as dist
 
-    fns = {"gloo": case.gloo, "gloo-sparse": case.gloo_sparse, "omnireduce": case.omnireduce}
-    fn = fns[system] if system in fns else (lambda: case.omnireduce_mode(worker))
-    reset = {"gloo": case.reset_dense, "gloo-sparse": case.reset_sparse}.get(system)
-    times = []
-    result: Any = None
-    for i in range(spec.warmup + spec.repeats):
-        if reset is not None:
-            reset()
-        result = None
-        dist.barrier()
-        t0 = time.perf_counter()
-        result = fn()
-        dt = time.perf_counter() - t0
-        if i >= spec.warmup:
-            times.append(dt)
     ok = True
     if ref is not None:
         ok = bool(np.array_equal(case.result_of(system, result), ref))

@@ -114,6 +114,19 @@ def test_allreduce_benchmark_ipc_and_flags(tmp_path) -> None:
     assert max(r["rounds"] for r in rows) > 2
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_allreduce_benchmark_interleaved_modes(tmp_path) -> None:
+    out = str(tmp_path / "out")
+    systems = ["gloo", "omnireduce", "omnireduce-dense", "omnireduce-auto"]
+    res = _bench("bench.allreduce", out, "--interleave", "--systems", *systems)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = _check_outputs(out, systems, [1.0, 0.05])
+    sent = {(r["system"], r["density"]): r["sent_fraction"] for r in rows if r["system"] != "gloo"}
+    # The dense mode sends every block whatever the density; the sparse one only the nonzero ones.
+    assert sent[("omnireduce-dense", 0.05)] > 0.95 and sent[("omnireduce", 0.05)] < 0.2
+
+
 def test_topology_rejects_addresses_outside_the_benchmark_range() -> None:
     for subnet in ("10.0.0.0/24", "192.168.1.0/24", "172.16.0.0/24", "198.20.0.0/24"):
         with pytest.raises(ValueError, match="198.18.0.0/15"):

@@ -119,6 +119,16 @@ class _Op:
     compute: np.ndarray | None = None
 
 
+def _accumulable(vals: np.ndarray, dtype: DType, weight: float) -> np.ndarray:
+    """Received values in the accumulator type, times ``weight``; no copy when neither changes them."""
+    acc_type = dtype.accumulator
+    if vals.dtype != acc_type:
+        vals = to_accumulator(vals, dtype)  # copies even when the types agree: only called when they differ
+    if weight != 1.0:
+        vals = np.multiply(vals, acc_type.type(weight), dtype=acc_type)
+    return vals
+
+
 def _ranks_text(ranks: list[int]) -> str:
     if len(ranks) <= _RANKS_IN_TEXT:
         return str(ranks)
@@ -601,11 +611,7 @@ class Engine:
             # A weighted op sums weight * blocks (a weight of 1 is skipped: plain sums stay bit-identical).
             w = 1.0 if op.weights is None else float(op.weights[rank])
             if aligned and len(sel) == k:
-                vals = payload.reshape(k, b)
-                if vals.dtype != acc_type:
-                    vals = to_accumulator(vals, op.dtype)
-                if w != 1.0:
-                    vals = np.multiply(vals, acc_type.type(w), dtype=acc_type)
+                vals = _accumulable(payload.reshape(k, b), op.dtype, w)
                 if acc is not None:
                     acc += vals
                 elif first is None:
@@ -622,10 +628,7 @@ class Engine:
                 row_of = np.cumsum(is_active) - 1
             rows = row_of[sel]
             for sl, view in blocks.split_payload(payload, s.cur[sel], layout):
-                # to_accumulator copies even when the types agree.
-                vals = view if view.dtype == acc_type else to_accumulator(view, op.dtype)
-                if w != 1.0:
-                    vals = np.multiply(vals, acc_type.type(w), dtype=acc_type)
+                vals = _accumulable(view, op.dtype, w)
                 if view.shape[1] == b:
                     acc[rows[sl]] += vals
                 else:

@@ -109,14 +109,9 @@ class Aggregator:
         metrics_addr: str = "127.0.0.1",
     ) -> None:
         self.limits = limits or Limits()
-        heartbeat = config.resolve(heartbeat, config.OMNIREDUCE_HEARTBEAT, config.DEFAULT_HEARTBEAT, float)
-        heartbeat_timeout = config.resolve(
-            heartbeat_timeout, config.OMNIREDUCE_HEARTBEAT_TIMEOUT, config.DEFAULT_HEARTBEAT_TIMEOUT, float
-        )
+        heartbeat, heartbeat_timeout = config.resolve_heartbeat(heartbeat, heartbeat_timeout)
         secret = config.resolve_optional(curve_secret_key, config.OMNIREDUCE_CURVE_SECRET_KEY, str)
         allowed = config.resolve_optional(curve_client_keys, config.OMNIREDUCE_CURVE_CLIENT_KEYS, str)
-        if heartbeat < 0 or heartbeat_timeout <= 0:
-            raise ConfigError("heartbeat must be >= 0 and heartbeat_timeout > 0")
         if allowed is not None and secret is None:
             raise ConfigError("curve_client_keys needs curve_secret_key (CURVE is off without a server key)")
         self.heartbeat_timeout = heartbeat_timeout if heartbeat else None

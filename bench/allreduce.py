@@ -45,9 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
         def placement(w: int) -> Placement:
-            return Placement(listen=listens[0], rank_prefixes=[[] for _ in range(w)],
-                             rank_env=[{"GLOO_SOCKET_IFNAME": "lo"} for _ in range(w)],
-                             shards=[(listen, []) for listen in listens])
+            return Placement(aggregators=[(listen, []) for listen in listens], rank_prefixes=[[] for _ in range(w)],
+                             rank_env=[{"GLOO_SOCKET_IFNAME": "lo"} for _ in range(w)])
 
         run(args, placement, args.out, f"allreduce on loopback ({args.transport})", {"network": "loopback"})
     return 0

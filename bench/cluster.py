@@ -156,11 +156,6 @@ class Topology:
         self._created: list[tuple[str, str]] = []
 
     @property
-    def aggregator(self) -> tuple[str, str]:
-        """(namespace, address) of the aggregator."""
-        return self.nodes[0][0], self.nodes[0][2]
-
-    @property
     def aggregators(self) -> list[tuple[str, str]]:
         """(namespace, address) of every aggregator shard."""
         return [(ns, ip) for ns, _, ip in self.nodes[: self.n_aggregators]]
@@ -294,8 +289,8 @@ c.close()
 
 
 def measure_link(topo: Topology, seconds: float = 1.0) -> float:
-    """Bits per second of one TCP stream from the first worker to the aggregator (a check of the shaping)."""
-    agg_ns, agg_ip = topo.aggregator
+    """Bits per second of one TCP stream from the first worker to the first aggregator (a check of the shaping)."""
+    agg_ns, agg_ip = topo.aggregators[0]
     w_ns, _ = topo.workers[0]
     srv = subprocess.Popen(["ip", "netns", "exec", agg_ns, sys.executable, "-c", _PROBE_SERVER, agg_ip, "5599"],
                            stdout=subprocess.PIPE, text=True)
@@ -341,15 +336,12 @@ def main(argv: list[str] | None = None) -> int:
             topo.up()
             link = measure_link(topo)
             print(f"link check: one TCP stream worker -> aggregator at {link / 1e9:.2f} Gbit/s (rate {args.rate})")
-            agg_ns, agg_ip = topo.aggregator
 
             def placement(w: int) -> Placement:
                 return Placement(
-                    listen=f"tcp://{agg_ip}:{_AGG_PORT}",
-                    aggregator_prefix=["ip", "netns", "exec", agg_ns],
+                    aggregators=[(f"tcp://{ip}:{_AGG_PORT}", ["ip", "netns", "exec", ns]) for ns, ip in topo.aggregators],
                     rank_prefixes=[["ip", "netns", "exec", ns] for ns, _ in topo.workers[:w]],
                     rank_env=[{"GLOO_SOCKET_IFNAME": "eth0"} for _ in range(w)],
-                    shards=[(f"tcp://{ip}:{_AGG_PORT}", ["ip", "netns", "exec", ns]) for ns, ip in topo.aggregators],
                 )
 
             extra: dict[str, Any] = {

@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SYSTEMS",
     "DENSITIES",
-    "FULL_SIZE",
     "RankSpec",
     "make_tensor",
     "row_from_event",
@@ -34,8 +33,6 @@ __all__ = [
 SYSTEMS = ("gloo", "gloo-sparse", "omnireduce", "omnireduce-dense", "omnireduce-auto")
 #: OmniReduce's microbenchmark densities (fraction of 256-element blocks that are nonzero).
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.05, 0.02, 0.01)
-#: 100 MB of float32, OmniReduce's tensor size.
-FULL_SIZE = 26_214_400
 
 
 @dataclass
@@ -49,7 +46,7 @@ class RankSpec:
         systems: which of :data:`SYSTEMS` to time, in this order.
         repeats: timed repetitions per case, after ``warmup`` untimed ones.
         warmup: untimed repetitions per case.
-        block_size: omnireduce's elements per block (the patterns' block is ``extra["pattern_block"]``).
+        block_size: omnireduce's elements per block.
         message_blocks: omnireduce's blocks per message; None leaves the library's default.
         streams: omnireduce's streams per op; None leaves the library's default.
         address: the aggregator's endpoint.
@@ -58,6 +55,10 @@ class RankSpec:
         op_timeout: seconds any single operation may take before the rank fails.
         torch_threads: torch intra-op threads per rank (gloo's sparse path uses them).
         check: compare every system's result with gloo's dense sum (untimed).
+        pattern_block: the block of the nonzero pattern (OmniReduce's 256); it stays put when
+            ``block_size`` changes, so that block sizes are compared on the same tensors.
+        sparse_io: time gloo-sparse's conversion to and from the sparse tensor too.
+        interleave: time the systems round-robin per repetition instead of one after another.
     """
 
     world_size: int
@@ -75,7 +76,9 @@ class RankSpec:
     op_timeout: float = 120.0
     torch_threads: int = 1
     check: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    pattern_block: int = 256
+    sparse_io: bool = False
+    interleave: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

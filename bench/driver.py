@@ -34,23 +34,15 @@ class Placement:
     """Where the processes of a world run.
 
     Args:
-        listen: the endpoint the aggregator binds.
-        aggregator_prefix: command prefix of the aggregator (e.g. ``ip netns exec NS``).
+        aggregators: (listen endpoint, command prefix, e.g. ``ip netns exec NS``) of
+            every aggregator process, one per shard.
         rank_prefixes: command prefix of every rank; its length is the world size.
         rank_env: extra environment of every rank (e.g. ``GLOO_SOCKET_IFNAME``).
-        shards: (listen, prefix) of every aggregator shard, one process each; empty
-            means one aggregator at ``listen`` with ``aggregator_prefix``.
     """
 
-    listen: str
-    aggregator_prefix: list[str] = field(default_factory=list)
+    aggregators: list[tuple[str, list[str]]]
     rank_prefixes: list[list[str]] = field(default_factory=list)
     rank_env: list[dict[str, str]] = field(default_factory=list)
-    shards: list[tuple[str, list[str]]] = field(default_factory=list)
-
-    def aggregators(self) -> list[tuple[str, list[str]]]:
-        """(listen, prefix) of every aggregator process to start."""
-        return self.shards or [(self.listen, self.aggregator_prefix)]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -121,7 +113,7 @@ def run_world(
     aggs: list[subprocess.Popen] = []
     try:
         addresses = []
-        for k, (listen, prefix) in enumerate(placement.aggregators()):
+        for k, (listen, prefix) in enumerate(placement.aggregators):
             agg_log = os.path.join(run_dir, f"aggregator{k}-w{w}.log")
             logs.append(agg_log)
             with open(agg_log, "w") as errf:
@@ -323,8 +315,7 @@ def run(
                 repeats=args.repeats, warmup=args.warmup, block_size=args.block_size,
                 message_blocks=args.message_blocks, streams=args.streams, seed=args.seed,
                 op_timeout=args.op_timeout, torch_threads=args.torch_threads, check=not args.no_check,
-                extra={"sparse_io": args.sparse_io, "pattern_block": args.pattern_block,
-                       "interleave": args.interleave},
+                sparse_io=args.sparse_io, pattern_block=args.pattern_block, interleave=args.interleave,
             )
             run_world(spec, placement_for(w), os.path.join(out_dir, "logs"), deadline, on_event)
     except (BenchError, KeyboardInterrupt) as e:

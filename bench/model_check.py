@@ -2,8 +2,8 @@
 omnireduce and gloo row with :mod:`omnireduce.model`'s prediction.
 
 Calibrates first (``omnireduce-calibrate``'s measurements, written to ``--costs``) unless
-``--load`` is given, then runs the sweep (``python -m bench.allreduce`` with the options
-below) and prints per row the measured and predicted milliseconds and the relative error,
+``--load`` is given, then runs the sweep (``python -m bench.allreduce`` with every option
+not model_check's own) and prints per row the measured and predicted milliseconds and the relative error,
 and the median ``|predicted - measured| / measured`` per system.
 
 Example::
@@ -19,79 +19,66 @@ import logging
 import os
 import sys
 import tempfile
-from typing import Any
 
-from bench.common import DENSITIES, add_predictions, format_table, median_model_error
+from bench.common import add_predictions, format_table, median_model_error
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["main"]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+# The sweep's defaults here; any bench.allreduce option given on the command line wins.
+_SWEEP_DEFAULTS = ["--sizes", "25MB", "100MB", "--systems", "gloo", "omnireduce", "--repeats", "5", "--warmup", "1"]
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """model_check's own options, and the rest for ``bench.allreduce``."""
     p = argparse.ArgumentParser(prog="python -m bench.model_check", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=["25MB", "100MB"])
-    p.add_argument("--densities", nargs="+", type=float, default=list(DENSITIES))
-    p.add_argument("--workers", nargs="+", type=int, default=[2])
-    p.add_argument("--systems", nargs="+", default=["gloo", "omnireduce"], help="systems of bench.allreduce")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=256)
-    p.add_argument("--message-blocks", type=int, default=None)
-    p.add_argument("--streams", type=int, default=None)
-    p.add_argument("--costs", default=None, help="cost parameters JSON (default: omnireduce-calibrate's path)")
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Every other option goes to bench.allreduce (see python -m bench.allreduce -h).")
+    p.add_argument("--costs", default=None,
+                   help="cost parameters JSON (default: $OMNIREDUCE_COSTS, else omnireduce-calibrate's path)")
     p.add_argument("--load", action="store_true", help="load --costs instead of calibrating first")
     p.add_argument("--quick-calibration", action="store_true", help="calibrate with --quick")
     p.add_argument("--results", default=None,
                    help="a results.json of an earlier bench.allreduce run: predict for it instead of running the sweep")
     p.add_argument("--out", default=None, help="bench.allreduce's output folder (default: a temporary one)")
-    return p.parse_args(argv)
+    return p.parse_known_args(argv)
 
 
-def _sweep(args: argparse.Namespace, out: str) -> list[dict[str, Any]]:
+def _sweep(sweep_args: list[str], out: str) -> str:
+    """Runs bench.allreduce; returns its results.json."""
     from bench import allreduce
 
-    argv = ["--sizes", *args.sizes, "--densities", *map(str, args.densities),
-            "--workers", *map(str, args.workers), "--systems", *args.systems,
-            "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--block-size", str(args.block_size),
-            "--no-plot", "--no-progress", "--no-check", "--out", out]
-    if args.message_blocks:
-        argv += ["--message-blocks", str(args.message_blocks)]
-    if args.streams:
-        argv += ["--streams", str(args.streams)]
-    allreduce.main(argv)
-    with open(os.path.join(out, "results.json")) as f:
-        return json.load(f)["rows"]
+    allreduce.main([*_SWEEP_DEFAULTS, *sweep_args, "--no-plot", "--no-progress", "--no-check", "--out", out])
+    return os.path.join(out, "results.json")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args, sweep_args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from omnireduce import model
+    from omnireduce import config, model
     from omnireduce.calibrate import calibrate
+    from worker.auto import load_costs
 
-    path = args.costs or model.DEFAULT_COSTS_PATH
+    path = args.costs or os.environ.get(config.OMNIREDUCE_COSTS) or model.DEFAULT_COSTS_PATH
     if args.load:
-        params = model.CostParams.load(path)
+        params = load_costs(path)
     else:
         params = calibrate(quick=args.quick_calibration)
         params.save(path)
     print("cost parameters: " + ", ".join(
         f"{k}={v:.3g}" for k, v in json.loads(params.to_json()).items() if isinstance(v, float)))
     load_before = os.getloadavg()
-    if args.results:
-        with open(args.results) as f:
+    with tempfile.TemporaryDirectory(prefix="omnireduce-model-check-") as tmp:
+        results = args.results or _sweep(sweep_args, args.out or tmp)
+        with open(results) as f:
             doc = json.load(f)
-        rows = doc["rows"]
-        a = doc.get("meta", {}).get("args", {})
-        layout = {"block_size": a.get("block_size", args.block_size),
-                  "message_blocks": a.get("message_blocks"), "streams": a.get("streams")}
-    else:
-        with tempfile.TemporaryDirectory(prefix="omnireduce-model-check-") as tmp:
-            rows = _sweep(args, args.out or tmp)
-        layout = {"block_size": args.block_size, "message_blocks": args.message_blocks, "streams": args.streams}
-    add_predictions(rows, params, **layout)
+    rows = doc["rows"]
+    # The layout and shards the run used, as it recorded them.
+    a = doc.get("meta", {}).get("args", {})
+    add_predictions(rows, params, block_size=a.get("block_size", 256), message_blocks=a.get("message_blocks"),
+                    streams=a.get("streams"), shards=a.get("shards", 1))
     print()
     print(format_table(rows))
     print()

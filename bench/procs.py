@@ -1,7 +1,7 @@
 """The benchmark's processes: ``python -m bench.procs rank RANK SPEC`` and ``... aggregator LISTEN``.
 
-A rank process times gloo dense, gloo sparse COO and omnireduce on the same tensors,
-one system after the other, and rank 0 prints one JSON line per case on stdout. The
+A rank process times gloo dense, gloo sparse COO and omnireduce (sparse, dense, auto)
+on the same tensors, and rank 0 prints one JSON line per case on stdout. The
 aggregator process prints its bound address as a JSON line and serves until its
 stdin is closed. The driver (:mod:`bench.driver`) starts them, on loopback or inside
 network namespaces.
@@ -36,27 +36,23 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 class _Case:
-    """One tensor of one rank and the three ways of summing it."""
+    """One tensor of one rank and the systems that sum it."""
 
-    def __init__(self, spec: RankSpec, rank: int, n: int, density: float, worker: Any) -> None:
+    def __init__(self, spec: RankSpec, rank: int, n: int, density: float) -> None:
         import torch
 
         self.torch = torch
-        # The pattern's block (256, OmniReduce's) stays put when --block-size changes
-        # omnireduce's, so that block sizes are compared on the same tensors.
-        b = int(spec.extra.get("pattern_block", 256))
+        b = spec.pattern_block
         rng = np.random.default_rng([spec.seed, rank, n, round(density * 1e6)])
         self.x = make_tensor(n, density, b, rng)
         self.n = n
         self.density = density
         # make_tensor's base array is padded to whole blocks: gloo's sparse path uses it as
         # rows of one block each, the layout an embedding gradient has.
-        base = self.x.base if self.x.base is not None else self.x
-        self.rows = torch.from_numpy(base).view(-1, b)
+        self.rows = torch.from_numpy(self.x.base).view(-1, b)
         self.xt = torch.from_numpy(self.x)
         self.buf = torch.empty_like(self.xt)
-        self.worker = worker
-        self.sparse_io = bool(spec.extra.get("sparse_io", False))
+        self.sparse_io = spec.sparse_io
         self.sparse: Any = None
 
     def reset_dense(self) -> None:
@@ -90,10 +86,7 @@ class _Case:
             result = result.to_dense().view(-1)[: self.n]
         return result.numpy() if isinstance(result, self.torch.Tensor) else result
 
-    def omnireduce(self) -> Any:
-        return self.worker.allreduce(self.x)
-
-    def omnireduce_mode(self, worker: Any) -> Any:
+    def omnireduce(self, worker: Any) -> Any:
         # A tensor's density is stable from step to step: auto mode keys its history by case.
         return worker.allreduce(self.x, key=(self.n, self.density))
 
@@ -126,11 +119,10 @@ def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] =
                 job=f"bench-{os.path.basename(spec.store)}-{mode}", block_size=spec.block_size,
                 message_blocks=spec.message_blocks, streams=spec.streams, timeout=spec.op_timeout, mode=mode,
             )
-    worker = workers.get("omnireduce")
     try:
         for n in spec.sizes:
             for density in spec.densities:
-                case = _Case(spec, rank, n, density, worker)
+                case = _Case(spec, rank, n, density)
                 ref = None
                 if spec.check:
                     case.reset_dense()
@@ -154,9 +146,9 @@ def _close(workers: list[Any], dist: Any) -> None:
 
 def _runner(case: _Case, system: str, worker: Any) -> tuple[Callable[[], Any], Callable[[], None] | None]:
     """The timed call of a system and what resets its input before each call."""
-    fns = {"gloo": case.gloo, "gloo-sparse": case.gloo_sparse, "omnireduce": case.omnireduce}
-    fn = fns[system] if system in fns else (lambda: case.omnireduce_mode(worker))
-    return fn, {"gloo": case.reset_dense, "gloo-sparse": case.reset_sparse}.get(system)
+    if worker is not None:  # one of the omnireduce systems
+        return (lambda: case.omnireduce(worker)), None
+    return {"gloo": (case.gloo, case.reset_dense), "gloo-sparse": (case.gloo_sparse, case.reset_sparse)}[system]
 
 
 def _timed(fn: Callable[[], Any], reset: Callable[[], None] | None) -> tuple[float, Any]:
@@ -180,10 +172,10 @@ def _time_cases(
     workers: dict[str, Any],
 ) -> None:
     """Times every system on one case: one after the other, or round-robin per repetition
-    (``extra["interleave"]``), so that a slow spell of a shared machine hits every system alike."""
+    (``spec.interleave``), so that a slow spell of a shared machine hits every system alike."""
     runners = {system: _runner(case, system, workers.get(system)) for system in spec.systems}
     reps = spec.warmup + spec.repeats
-    if spec.extra.get("interleave", False):
+    if spec.interleave:
         schedule = [system for _ in range(reps) for system in spec.systems]
     else:
         schedule = [system for system in spec.systems for _ in range(reps)]

@@ -48,9 +48,9 @@ logger = logging.getLogger("build_local_image")
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TAG = "omnireduce:local"
 #: Used when pyproject.toml cannot be read (Python < 3.11 has no tomllib).
-FALLBACK_DEPS = ("numpy", "pyzmq", "msgpack", "numba")
-#: Extras put in by default when pyproject.toml defines them (small, pure Python).
-DEFAULT_EXTRAS = ("metrics",)
+FALLBACK_DEPS = ("numpy", "pyzmq", "msgpack", "numba", "prometheus-client")
+#: Extras put in by default (none: the image needs only the core dependencies).
+DEFAULT_EXTRAS: tuple[str, ...] = ()
 #: Never copied, whatever asks for them: the image is CPU-only and has no torch.
 NEVER = re.compile(r"^(torch|triton|nvidia-.*|numba-cuda|cuda-.*)$")
 UID = GID = 10001
@@ -248,7 +248,7 @@ def _make_venv(man: Manifest, deadline: Deadline) -> None:
 def _elf_files(man: Manifest) -> list[Path]:
     out = []
     for arc, src in man.files.items():
-        if ".so" in src.name or arc.endswith(f"bin/{_pyver()}"):
+        if ".so" in src.name:
             out.append(src)
     out.append(_base_python())
     return out

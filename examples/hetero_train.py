@@ -71,7 +71,7 @@ def step_indices(rank: int, step: int, size: int, bounds: tuple[int, int], seed:
 def replica(rank: int, args: argparse.Namespace, address: str, mode: str, out: Any) -> None:
     """One replica's training loop; puts its per-epoch times and per-step batch sizes."""
     from worker import Worker
-    from worker.balance import Balancer
+    from worker.balance import Balancer, batch_sizes
 
     torch.set_num_threads(1)
     x, y = make_data(args.samples, args.seed)
@@ -85,11 +85,12 @@ def replica(rank: int, args: argparse.Namespace, address: str, mode: str, out: A
     sizes_log: list[list[int]] = []
     with Worker(address, rank=rank, world_size=args.workers, job=f"hetero-{mode}", timeout=60) as w:
         balancer = Balancer(w, args.global_batch)
+        equal = batch_sizes([1.0] * args.workers, args.global_batch)
         step = 0
         for _ in range(args.epochs):
             t0 = time.perf_counter()
             for _ in range(steps_per_epoch):
-                sizes = balancer.batch_sizes() if mode != "equal" else Balancer(_Equal(w), args.global_batch).batch_sizes()
+                sizes = equal if mode == "equal" else balancer.batch_sizes()
                 sizes_log.append(sizes)
                 n = sizes[rank]
                 idx = step_indices(rank, step, n, bounds, args.seed)
@@ -114,13 +115,6 @@ def replica(rank: int, args: argparse.Namespace, address: str, mode: str, out: A
     if rank == 0:
         out.put({"mode": mode, "epoch_times": epoch_times, "sizes": sizes_log,
                  "params": [p.detach().numpy().copy() for p in params]})
-
-
-class _Equal:
-    """A worker stand-in without recommendations: equal batches."""
-
-    def __init__(self, w: Any) -> None:
-        self.rank, self.world_size, self.recommended_batches = w.rank, w.world_size, None
 
 
 def reference(args: argparse.Namespace, sizes_log: list[list[int]]) -> list[np.ndarray]:

@@ -62,6 +62,7 @@ __all__ = [
     "resolve_optional",
     "resolve_generation",
     "split_addresses",
+    "resolve_heartbeat",
 ]
 
 #: Aggregator address a worker connects to, e.g. ``tcp://198.18.0.2:5555``.
@@ -185,3 +186,16 @@ def split_addresses(value: str | Sequence[str]) -> list[str]:
     if not all(isinstance(a, str) for a in items):
         raise ConfigError(f"aggregator addresses must be strings, got {value!r}")
     return [a.strip() for a in items if a.strip()]
+
+
+def resolve_heartbeat(heartbeat: float | None, heartbeat_timeout: float | None) -> tuple[float, float]:
+    """Heartbeat interval and timeout (seconds): explicit, else the environment, else the defaults.
+
+    Raises:
+        ConfigError: a variable does not parse, the interval is negative or the timeout not positive.
+    """
+    interval = resolve(heartbeat, OMNIREDUCE_HEARTBEAT, DEFAULT_HEARTBEAT, float)
+    timeout = resolve(heartbeat_timeout, OMNIREDUCE_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, float)
+    if interval < 0 or timeout <= 0:
+        raise ConfigError("heartbeat must be >= 0 and heartbeat_timeout > 0")
+    return interval, timeout

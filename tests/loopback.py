@@ -47,6 +47,7 @@ def run_allreduce(
     shuffle: random.Random | None = None,
     weights: list[float] | None = None,
     compute: list[float] | None = None,
+    inplace: bool = False,
 ) -> tuple[list[np.ndarray], list[WorkerOp], Engine]:
     """Runs one op among ``len(inputs)`` workers; returns every worker's output.
 
@@ -55,6 +56,7 @@ def run_allreduce(
             streams and workers interleave on a real network).
         weights: each worker's weight, for a weighted op.
         compute: each worker's reported compute seconds.
+        inplace: every worker writes the sum into its input.
     """
     engine = engine or Engine()
     world = len(inputs)
@@ -62,6 +64,7 @@ def run_allreduce(
         WorkerOp(
             job, r, world, op, x, dtype, Layout(len(x), block_size, message_blocks, streams),
             weight=None if weights is None else weights[r], compute=None if compute is None else compute[r],
+            inplace=inplace,
         )
         for r, x in enumerate(inputs)
     ]

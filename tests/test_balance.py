@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -134,30 +133,21 @@ def test_workers_slowed_by_known_factors_get_proportional_batches(aggregator: Ag
     """Rank r "computes" 2 ms per sample times slowdown[r]; batches converge to 1/slowdown."""
     slowdown = [1.0, 2.0, 4.0]
     world, global_batch = len(slowdown), 70
-    got: list[list[int]] = [[] for _ in range(world)]
-    errors: list[BaseException] = []
 
-    def rank(r: int) -> None:
-        try:
-            with Worker(aggregator.address, rank=r, world_size=world, job="balance", block_size=16,
-                        timeout=30) as w:
-                balancer = Balancer(w, global_batch)
-                g = np.zeros(256, np.float32)
-                for _ in range(12):
-                    n = balancer.batch_size()
-                    time.sleep(0.002 * n * slowdown[r])
-                    g[:] = r + 1
-                    w.allreduce(g, weight=n)
-                    got[r].append(balancer.batch_size())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            errors.append(e)
+    def rank(r: int) -> list[int]:
+        sizes = []
+        with Worker(aggregator.address, rank=r, world_size=world, job="balance", block_size=16, timeout=30) as w:
+            balancer = Balancer(w, global_batch)
+            g = np.zeros(256, np.float32)
+            for _ in range(12):
+                n = balancer.batch_size()
+                time.sleep(0.002 * n * slowdown[r])
+                g[:] = r + 1
+                w.allreduce(g, weight=n)
+                sizes.append(balancer.batch_size())
+        return sizes
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    got = run_ranks(world, rank)
     final = [got[r][-1] for r in range(world)]
     assert sum(final) == global_batch
     ideal = [global_batch * (1 / s) / sum(1 / v for v in slowdown) for s in slowdown]  # 40, 20, 10

@@ -14,14 +14,13 @@ import time
 import numpy as np
 import pytest
 
-from aggregator.engine import Engine
 from bench import cluster
 from bench.common import format_table, make_tensor, parse_size, row_from_event, write_outputs
 from omnireduce import blocks
 from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError
 from omnireduce.layout import Layout
-from omnireduce.protocol import decode
+from tests.loopback import run_allreduce
 from worker.op import WorkerOp, lazy_zeros
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -253,21 +252,6 @@ def test_lazy_zeros() -> None:
     assert sparse.sum() == 1.5
 
 
-def _drive(inputs: list[np.ndarray], layout: Layout, dtype: DType, inplace: bool) -> list[WorkerOp]:
-    engine = Engine()
-    ops = [WorkerOp("j", r, len(inputs), 0, x, dtype, layout, inplace=inplace) for r, x in enumerate(inputs)]
-    queue = [(bytes([r]), op.start()) for r, op in enumerate(ops)]
-    while queue:
-        peer, frames = queue.pop(0)
-        for dest, out in engine.handle(peer, frames):
-            msg, data = decode(out)
-            reply = ops[dest[0]].on_result(msg, data)
-            if reply is not None:
-                queue.append((dest, reply))
-    assert all(op.done for op in ops) and engine.active_ops == 0
-    return ops
-
-
 @pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.FLOAT64, DType.FLOAT16])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_dense_and_sparse_workers_mixed_sum_exactly(dtype: DType, inplace: bool) -> None:
@@ -280,7 +264,9 @@ def test_dense_and_sparse_workers_mixed_sum_exactly(dtype: DType, inplace: bool)
     sparse = make_tensor(layout.length, 0.2, 16, rng).astype(st)
     inputs = [dense, sparse, np.zeros(layout.length, st)]
     want = sum(x.astype(np.float64) for x in inputs)
-    ops = _drive([x.copy() for x in inputs] if inplace else inputs, layout, dtype, inplace)
+    _, ops, engine = run_allreduce([x.copy() for x in inputs] if inplace else inputs, dtype, layout.block_size,
+                                   layout.message_blocks, layout.streams, inplace=inplace)
+    assert engine.active_ops == 0
     for op in ops:
         np.testing.assert_array_equal(op.out.astype(np.float64), want)
         assert (op.out is op.flat) == inplace
@@ -290,7 +276,8 @@ def test_dense_and_sparse_workers_mixed_sum_exactly(dtype: DType, inplace: bool)
 def test_single_worker_dense_result_is_its_input() -> None:
     layout = Layout(64 * 8, 8, 8, 2)
     x = np.random.default_rng(3).standard_normal(layout.length).astype(np.float32)
-    (op,) = _drive([x], layout, DType.FLOAT32, inplace=False)
+    _, (op,), engine = run_allreduce([x], DType.FLOAT32, layout.block_size, layout.message_blocks, layout.streams)
+    assert engine.active_ops == 0
     np.testing.assert_array_equal(op.out, x)
 
 

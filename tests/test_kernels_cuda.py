@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -365,13 +366,9 @@ def test_worker_allreduce_of_a_cuda_tensor(cuda, kc, small_launch) -> None:
 
     One device rank only: the simulator is not thread-safe across host threads.
     """
-    import threading
-
-    import worker.client
-
-    if not hasattr(worker.client, "is_cuda_tensor"):
-        pytest.skip("Worker.allreduce does not route CUDA tensors yet (the worker/client.py and op.py change)")
     from aggregator import Aggregator
+    from tests.conftest import run_ranks  # a plain import: the simulator child runs without conftest
+    from worker.client import Worker
 
     rng = np.random.default_rng(2)
     n, bs = 1500, 16
@@ -379,19 +376,14 @@ def test_worker_allreduce_of_a_cuda_tensor(cuda, kc, small_launch) -> None:
     for x in xs:
         keep = rng.random(n) < 0.03
         x[keep] = rng.integers(-5, 6, int(keep.sum()))
-    outs: list = [None, None]
     agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=60).start()
     try:
-        def run(r: int) -> None:
-            with worker.client.Worker(agg.address, rank=r, world_size=2, job="cuda", block_size=bs,
-                                      message_blocks=4, streams=2, timeout=60) as w:
-                outs[r] = w.allreduce(cuda.to_device(xs[0]) if r == 0 else xs[1])
+        def run(r: int) -> Any:
+            with Worker(agg.address, rank=r, world_size=2, job="cuda", block_size=bs,
+                        message_blocks=4, streams=2, timeout=60) as w:
+                return w.allreduce(cuda.to_device(xs[0]) if r == 0 else xs[1])
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        outs = run_ranks(2, run, timeout=120)
     finally:
         agg.close()
     expect = xs[0] + xs[1]

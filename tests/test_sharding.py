@@ -118,7 +118,7 @@ def test_torch_bfloat16_float32_inplace_and_out(shards: list[Aggregator]) -> Non
     got = run(addresses, "torch-sharded")
     ref = run(shards[0].address, "torch-single")
     for r in range(world):
-        for g, e in zip(got[r], ref[r]):
+        for g, e in zip(got[r], ref[r], strict=True):
             if isinstance(e, np.ndarray):
                 assert np.array_equal(g, e)
                 continue
@@ -181,7 +181,7 @@ def test_weighted_ops_match_one_aggregator(shards: list[Aggregator]) -> None:
 
     got, ref = run([a.address for a in shards], "weighted-sharded"), run(shards[0].address, "weighted-single")
     for r in range(world):
-        for g, e in zip(got[r][:-1], ref[r][:-1]):
+        for g, e in zip(got[r][:-1], ref[r][:-1], strict=True):
             assert np.array_equal(_bits(g), _bits(e))
         assert got[r][-1] == ref[r][-1]
 
@@ -277,7 +277,7 @@ def test_closed_shard_fails_the_op_naming_it(shards: list[Aggregator]) -> None:
 @pytest.mark.slow
 def test_ddp_hook_and_backend_through_shards(shards: list[Aggregator], tmp_path) -> None:
     torch = pytest.importorskip("torch")
-    from tests.test_torch import run_ranks as run_procs
+    from tests.test_torch import run_procs
 
     address = ",".join(a.address for a in shards[:2])
     for res in run_procs("ddp_case", 2, tmp_path, address, "buckets"):

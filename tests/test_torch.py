@@ -17,7 +17,7 @@ from aggregator import Aggregator  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def run_ranks(fn_name: str, world: int, tmp_path, *args: Any, timeout: float = 240) -> list[dict]:
+def run_procs(fn_name: str, world: int, tmp_path, *args: Any, timeout: float = 240) -> list[dict]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init = str(tmp_path / f"init-{fn_name}-{world}-{os.getpid()}")
@@ -57,7 +57,7 @@ TOLERANCE = {"fp16": dict(rtol=2e-3, atol=2e-3), "bf16": dict(rtol=2e-2, atol=2e
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("case", ["buckets", "fp16", "bf16", "no_sync", "unused"])
 def test_ddp_hook_matches_gloo(agg, tmp_path, world: int, case: str) -> None:
-    results = run_ranks("ddp_case", world, tmp_path, agg.address, case)
+    results = run_procs("ddp_case", world, tmp_path, agg.address, case)
     for res in results:
         assert res["error"] is None
         assert res["buckets"] > 0
@@ -78,7 +78,7 @@ def test_auto_mode_sends_dense_buckets_through_gloo(agg, tmp_path, monkeypatch) 
     # the test checks the mechanism, so the model's choice must not depend on the host.
     costs = CostParams(alpha=50e-6, beta=8e-9, full_duplex=True, cores=8).save(str(tmp_path / "costs.json"))
     monkeypatch.setenv("OMNIREDUCE_COSTS", costs)
-    results = run_ranks("auto_case", 2, tmp_path, agg.address)
+    results = run_procs("auto_case", 2, tmp_path, agg.address)
     for res in results:
         assert res["error"] is None
         torch.testing.assert_close(res["got"], res["expected"])
@@ -92,7 +92,7 @@ def test_auto_mode_sends_dense_buckets_through_gloo(agg, tmp_path, monkeypatch) 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_weighted_gradients_equal_the_global_batch_gradient(agg, tmp_path, world: int) -> None:
-    for res in run_ranks("weighted_case", world, tmp_path, agg.address):
+    for res in run_procs("weighted_case", world, tmp_path, agg.address):
         torch.testing.assert_close(res["hook"], res["expected"])
         torch.testing.assert_close(res["backend"], res["expected"])
         # The bias the weights remove: plain averaging of unequal batches is a different model.
@@ -101,7 +101,7 @@ def test_weighted_gradients_equal_the_global_batch_gradient(agg, tmp_path, world
 
 
 def test_hook_traffic_is_a_fraction_of_dense(agg, tmp_path) -> None:
-    (res, _) = run_ranks("ddp_case", 2, tmp_path, agg.address, "traffic")
+    (res, _) = run_procs("ddp_case", 2, tmp_path, agg.address, "traffic")
     stats = res["stats"]
     # 16 bags x 4 ids touch at most 64 of 100,000 embedding rows (16 floats each) a
     # step, so at most 64 of 6,250 blocks of the table are nonzero; the MLP is tiny.
@@ -111,7 +111,7 @@ def test_hook_traffic_is_a_fraction_of_dense(agg, tmp_path) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_reducer_without_ddp_matches_gloo(agg, tmp_path, world: int) -> None:
-    for res in run_ranks("reducer_case", world, tmp_path, agg.address):
+    for res in run_procs("reducer_case", world, tmp_path, agg.address):
         torch.testing.assert_close(res["got"], res["expected"])
         assert res["buckets"] > 1
         # One op per bucket per step: no_sync sent nothing.
@@ -120,7 +120,7 @@ def test_reducer_without_ddp_matches_gloo(agg, tmp_path, world: int) -> None:
 
 def test_backend_collectives_and_ddp(agg, tmp_path) -> None:
     world = 3
-    results = run_ranks("backend_case", world, tmp_path, agg.address)
+    results = run_procs("backend_case", world, tmp_path, agg.address)
     for rank, res in enumerate(results):
         assert res["backend"] == "omnireduce"
         torch.testing.assert_close(res["all_reduce"], torch.arange(6, dtype=torch.float32) * 6)

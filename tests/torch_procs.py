@@ -196,8 +196,6 @@ def auto_case(rank: int, world: int, address: str, steps: int = 5) -> dict[str, 
 def weighted_case(rank: int, world: int, address: str, steps: int = 3) -> dict[str, Any]:
     """Ranks with unequal batches (8, 16, 24, ...): DDP with samples-weighted gradients and an
     omnireduce process group with a weighted AVG, against one model trained on the global batch."""
-    import os
-
     import worker.backend  # noqa: F401 - registers the backend
     from worker import Worker
     from worker.ddp import OmniReduceState, omnireduce_hook
@@ -233,15 +231,9 @@ def weighted_case(rank: int, world: int, address: str, steps: int = 3) -> dict[s
         ours.register_comm_hook(state, omnireduce_hook)
         out["hook"] = train(ours, lambda n: setattr(state, "samples", n))
         # Without the weights, the plain average of per-rank means: biased towards small batches.
-        state.samples = None
         plain = DDP(_model(), bucket_cap_mb=0.01)
         plain.register_comm_hook(OmniReduceState(w), omnireduce_hook)
-        opt = torch.optim.SGD(plain.parameters(), lr=0.5)
-        for step in range(steps):
-            opt.zero_grad()
-            (loss_on(plain, rank, step) / sizes[rank]).backward()
-            opt.step()
-        out["unweighted"] = [p.detach().clone() for p in plain.module.parameters()]
+        out["unweighted"] = train(plain, lambda _n: None)
     os.environ["OMNIREDUCE_ADDRESS"] = address
     group = dist.new_group(backend="omnireduce")
     # The backend's constructor returns a ProcessGroup, which torch hands back as the group.

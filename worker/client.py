@@ -58,7 +58,7 @@ from omnireduce.protocol import (
     decode,
     encode,
 )
-from worker.op import WorkerOp
+from worker.op import WorkerOp, check_destination
 from worker.stats import Stats
 from worker.auto import MODES, PathChooser
 from worker.cuda import CudaOpData, is_cuda_tensor
@@ -102,7 +102,7 @@ class _Submission:
     dtype: Any
     restore: Any
     future: Future
-    length: int
+    layout: Layout
     inplace: bool = False
     data: CudaOpData | None = None
     out: np.ndarray | None = None
@@ -206,10 +206,7 @@ class Worker:
         self.timeout = config.resolve(timeout, config.OMNIREDUCE_TIMEOUT, config.DEFAULT_TIMEOUT, float)
         token = config.resolve(token, config.OMNIREDUCE_TOKEN, "", str)
         self.generation = config.resolve_generation(generation)
-        heartbeat = config.resolve(heartbeat, config.OMNIREDUCE_HEARTBEAT, config.DEFAULT_HEARTBEAT, float)
-        heartbeat_timeout = config.resolve(
-            heartbeat_timeout, config.OMNIREDUCE_HEARTBEAT_TIMEOUT, config.DEFAULT_HEARTBEAT_TIMEOUT, float
-        )
+        heartbeat, heartbeat_timeout = config.resolve_heartbeat(heartbeat, heartbeat_timeout)
         server_key = config.resolve_optional(curve_server_key, config.OMNIREDUCE_CURVE_SERVER_KEY, str)
         client_key = config.resolve_optional(curve_client_key, config.OMNIREDUCE_CURVE_CLIENT_KEY, str)
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -220,8 +217,6 @@ class Worker:
             raise ConfigError(f"token must be at most {MAX_NAME} characters")
         if self.timeout <= 0:
             raise ConfigError(f"timeout must be positive, got {self.timeout}")
-        if heartbeat < 0 or heartbeat_timeout <= 0:
-            raise ConfigError("heartbeat must be >= 0 and heartbeat_timeout > 0")
         if client_key is not None and server_key is None:
             raise ConfigError("curve_client_key needs curve_server_key (the aggregator's public key)")
         Layout(0, self.block_size, self.message_blocks, self.streams)  # validates the three
@@ -329,8 +324,6 @@ class Worker:
                                   or not math.isfinite(v) or v < 0 or (positive and v == 0)):
                 raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
                                   f"got {v!r}")
-        if inplace and out is not None:
-            raise ConfigError("inplace and out cannot be used together")
         data: CudaOpData | None = None
         if is_cuda_tensor(x):
             if inplace or out is not None:
@@ -341,21 +334,15 @@ class Worker:
         else:
             flat, dtype, restore = to_flat(x)
             length = len(flat)
+            check_destination(flat, dtype, inplace, out)
             if inplace and not shares_memory(x, flat):
                 raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
-            if inplace and not flat.flags.writeable:
-                raise ConfigError("an in-place allreduce needs a writeable tensor")
             if inplace:
                 restore = lambda _out: x  # noqa: E731
-            if out is not None and (
-                not isinstance(out, np.ndarray) or out.shape != (length,)
-                or out.dtype != np.dtype(dtype.storage) or not out.flags.writeable
-            ):
-                raise ConfigError(f"out must be a writeable flat {np.dtype(dtype.storage)} array of {length} elements")
         # Everything that can fail happens before the op takes its number: a number
         # taken by an op that is never sent would pair this rank's later ops with
         # the other ranks' earlier ones.
-        Layout(length, self.block_size, self.message_blocks, self.streams)
+        layout = Layout(length, self.block_size, self.message_blocks, self.streams)
         dense, auto_key = False, None
         if data is None and self.mode == "dense":
             dense = True
@@ -376,30 +363,25 @@ class Worker:
             self._outstanding += 1
             fut.add_done_callback(self._op_finished)
             self._submissions.put(_Submission(
-                op, flat, dtype, restore, fut, length, inplace, data, out,
+                op, flat, dtype, restore, fut, layout, inplace, data, out,
                 None if weight is None else float(weight), None if compute_time is None else float(compute_time),
                 dense, None if dense else auto_key,
             ))
         self._wake()
         return fut
 
-    def allreduce(
-        self,
-        x: Any,
-        inplace: bool = False,
-        out: np.ndarray | None = None,
-        weight: float | None = None,
-        compute_time: float | None = None,
-        key: Any = None,
-    ) -> Any:
-        """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
+    def allreduce(self, x: Any, **options: Any) -> Any:
+        """Sums ``x`` over all workers of the job and returns the result.
+
+        Args:
+            x: the tensor (see :meth:`allreduce_async`).
+            **options: :meth:`allreduce_async`'s options (``inplace``, ``out``,
+                ``weight``, ``compute_time``, ``key``).
 
         Raises:
             OmniReduceError: the op failed (mismatch, timeout, aggregator error, closed worker).
         """
-        return self.allreduce_async(
-            x, inplace=inplace, out=out, weight=weight, compute_time=compute_time, key=key
-        ).result()
+        return self.allreduce_async(x, **options).result()
 
     @property
     def recommended_batches(self) -> list[float] | None:
@@ -598,9 +580,8 @@ class Worker:
                 continue
             now = time.monotonic()
             try:
-                layout = Layout(sub.length, self.block_size, self.message_blocks, self.streams)
                 state = WorkerOp(
-                    self.job, self.rank, self.world_size, sub.op, sub.flat, sub.dtype, layout,
+                    self.job, self.rank, self.world_size, sub.op, sub.flat, sub.dtype, sub.layout,
                     inplace=sub.inplace, data=sub.data, out=sub.out, weight=sub.weight, compute=sub.compute,
                     dense=sub.dense,
                 )
@@ -641,8 +622,6 @@ class Worker:
                     "worker rank %d of job %r: unexpected %s from the aggregator", self.rank, self.job, msg.TYPE.name
                 )
                 continue
-            if msg.batches is not None and len(msg.batches) == self.world_size:
-                self._batches = msg.batches
             p = pending.get(msg.op)
             if p is None:
                 logger.debug(
@@ -660,6 +639,8 @@ class Worker:
                                  msg.op)
                 self._drop(pending, msg.op, ProtocolError(f"bad result from the aggregator for op {msg.op}: {e!r}"))
                 continue
+            if msg.batches is not None:  # checked by on_result
+                self._batches = msg.batches
             if reply is not None:
                 self._post(msg.op, reply)
             if p.state.done:
@@ -667,8 +648,7 @@ class Worker:
                 p.state.stats.seconds = time.monotonic() - p.started
                 self.stats.add(p.state.stats)
                 if p.auto_key is not None and self._chooser is not None:
-                    nb = p.state.layout.num_blocks
-                    self._chooser.record(p.auto_key, p.state.stats.blocks_received / nb if nb else 0.0)
+                    self._chooser.record(p.auto_key, p.state.stats.union_density)
                 # Who waits on the future can see what its op moved (e.g. the DDP hook's auto mode).
                 p.future.op_stats = p.state.stats  # type: ignore[attr-defined]
                 try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from omnireduce import blocks
 from omnireduce.dtypes import DType
 from omnireduce.errors import OmniReduceError, OpError, ProtocolError
 from omnireduce.layout import Layout
+from worker.tensors import is_torch
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,7 @@ def _device_errors(fn: F) -> F:
 def is_cuda_tensor(x: Any) -> bool:
     """Whether ``x`` lives on a GPU: a CUDA torch tensor, a numba device array or any
     ``__cuda_array_interface__`` object. Does not import numba.cuda or torch."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
+    if is_torch(x):
         return bool(x.is_cuda)
     if isinstance(x, np.ndarray):
         return False
@@ -196,8 +195,9 @@ class CudaOpData:
 
     def _alloc_out(self) -> Any:
         kc = self._kc
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(self._x, torch.Tensor):
+        if is_torch(self._x):
+            import torch
+
             out = torch.empty_like(self._x, memory_format=torch.contiguous_format)
         else:
             out = kc.empty_like_device(self._x, self.length, self._flat_dtype, self.stream).reshape(self._shape)

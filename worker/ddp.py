@@ -179,14 +179,14 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         raise
     state.buckets += 1
     if state._chooser is not None:
-        chooser, nb = state._chooser, -(-buf.numel() // state.worker.block_size)
+        chooser = state._chooser
 
         def measured(src: ConcurrentFuture) -> None:
             stats = getattr(src, "op_stats", None)
             # Only a sparse op measures the density: a worker in its own dense mode
             # returns every block.
-            if stats is not None and nb and stats.path == "sparse":
-                chooser.record(key, stats.blocks_received / nb)
+            if stats is not None and stats.path == "sparse":
+                chooser.record(key, stats.union_density)
 
         # Added before the callback that completes the bucket, so the density is
         # recorded before DDP can start the next step (and choose again).

@@ -32,7 +32,7 @@ from worker.stats import OpStats, frames_nbytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WorkerOp", "lazy_zeros"]
+__all__ = ["WorkerOp", "lazy_zeros", "pages_written", "check_destination"]
 
 # From this size on, a sparse result is allocated as an anonymous mapping (see lazy_zeros).
 _LAZY_ZEROS_BYTES = 1 << 22
@@ -63,11 +63,29 @@ def lazy_zeros(length: int, dtype: np.dtype, written: float = 0.0) -> np.ndarray
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype)
 
 
-def _pages_written(own: float, world_size: int, block_bytes: int) -> float:
+def pages_written(own: float, world_size: int, block_bytes: int) -> float:
     """Expected fraction of 4 KiB pages holding a block of the union, for independent random blocks."""
     union = 1.0 - (1.0 - own) ** world_size
     per_page = max(1.0, _PAGE / max(1, block_bytes))
     return 1.0 - (1.0 - union) ** per_page
+
+
+def check_destination(flat: np.ndarray, dtype: DType, inplace: bool, out: np.ndarray | None) -> None:
+    """Checks where an op's sum is to go: into ``flat`` itself, or into ``out``.
+
+    Raises:
+        ConfigError: both asked, a read-only ``flat`` in place, or an ``out`` that is
+            not a writeable flat array of ``flat``'s length and storage type.
+    """
+    if inplace and out is not None:
+        raise ConfigError("inplace and out cannot be used together")
+    if inplace and not flat.flags.writeable:
+        raise ConfigError("an in-place allreduce needs a writeable tensor")
+    storage = np.dtype(dtype.storage)
+    if out is not None and (
+        not isinstance(out, np.ndarray) or out.shape != (len(flat),) or out.dtype != storage or not out.flags.writeable
+    ):
+        raise ConfigError(f"out must be a writeable flat {storage} array of {len(flat)} elements")
 
 
 class WorkerOp:
@@ -128,35 +146,27 @@ class WorkerOp:
         if data is not None:
             mask = data.mask
             self.out = data.out
-        elif dense:
-            mask = np.ones(layout.num_blocks, dtype=np.bool_)
-            self.out = flat if inplace else (out if out is not None else np.empty(layout.length, dtype.storage))
-            if inplace and not flat.flags.writeable:
-                raise ConfigError("an in-place allreduce needs a writeable tensor")
-        elif out is not None:
-            if out.shape != (layout.length,) or out.dtype != np.dtype(dtype.storage) or not out.flags.writeable:
-                raise ConfigError(
-                    f"out must be a writeable flat {np.dtype(dtype.storage)} array of {layout.length} elements"
-                )
-            mask = blocks.block_mask(flat, layout.block_size)
-            self.out = out
-        elif inplace:
-            if not flat.flags.writeable:
-                raise ConfigError("an in-place allreduce needs a writeable tensor")
-            mask = blocks.block_mask(flat, layout.block_size)
-            self.out = flat
         else:
-            mask = blocks.block_mask(flat, layout.block_size)
-            own = float(np.count_nonzero(mask)) / len(mask) if len(mask) else 0.0
-            written = _pages_written(own, world_size, layout.block_size * dtype.itemsize)
-            self.out = lazy_zeros(layout.length, dtype.storage, written)
+            check_destination(flat, dtype, inplace, out)
+            mask = np.ones(layout.num_blocks, dtype=np.bool_) if dense else blocks.block_mask(flat, layout.block_size)
+            if inplace:
+                self.out = flat
+            elif out is not None:
+                self.out = out
+            elif dense:
+                self.out = np.empty(layout.length, dtype.storage)  # every block is written
+            else:
+                own = float(np.count_nonzero(mask)) / len(mask) if len(mask) else 0.0
+                written = pages_written(own, world_size, layout.block_size * dtype.itemsize)
+                self.out = lazy_zeros(layout.length, dtype.storage, written)
         self._table = blocks.next_table(mask, layout)
         self._mynext = self._table[0].copy()
         self._cur: list[np.ndarray | None] = [None] * layout.num_streams
         self._rounds = [0] * layout.num_streams
         self._left = layout.num_streams
         self.stats = OpStats(
-            op=op, elements=layout.length, dense_bytes=layout.length * dtype.itemsize, path="dense" if dense else "sparse"
+            op=op, elements=layout.length, blocks=layout.num_blocks, dense_bytes=layout.length * dtype.itemsize,
+            path="dense" if dense else "sparse",
         )
 
     @property
@@ -195,6 +205,8 @@ class WorkerOp:
                 f"result for stream {s} round {msg.round} with {len(data)} frames; expected round {self._rounds[s]}"
             )
         if msg.batches is not None:
+            if len(msg.batches) != self.world_size:
+                raise ProtocolError(f"result carries {len(msg.batches)} batch sizes for {self.world_size} ranks")
             self.batches = msg.batches
         self.stats.bytes_received += frames_nbytes(data)
         self.stats.messages_received += 1

@@ -23,7 +23,6 @@ of all shards stay equal to the sharded worker's op numbers.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -36,9 +35,9 @@ from omnireduce import config
 from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClosedError
 from worker.client import Worker
 from worker.cuda import is_cuda_tensor
-from worker.op import _pages_written, lazy_zeros
-from worker.stats import OpStats, Stats
-from worker.tensors import shares_memory, to_flat
+from worker.op import check_destination, lazy_zeros, pages_written
+from worker.stats import OpStats, Stats, merge_parallel
+from worker.tensors import is_torch, shares_memory, to_flat
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +45,6 @@ __all__ = ["ShardedWorker", "shard_bounds"]
 
 # Blocks sampled to guess a tensor's density, which decides how its result is allocated.
 _SAMPLE_BLOCKS = 1024
-# Counters summed over the shards of one op; rounds and seconds are the slowest shard's,
-# since the shards run in parallel.
-_SUMMED = (
-    "elements", "dense_bytes", "bytes_sent", "bytes_received", "blocks_sent", "blocks_received",
-    "messages_sent", "messages_received",
-)
-
-
 def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, int]]:
     """The element range ``[lo, hi)`` of every shard's chunk of a tensor.
 
@@ -247,13 +238,13 @@ class ShardedWorker(Worker):
             f.add_done_callback(lambda f, k=k: gather.on_done(k, f))
         return fut
 
-    def allreduce(self, x: Any, inplace: bool = False, out: np.ndarray | None = None, **kwargs: Any) -> Any:
+    def allreduce(self, x: Any, **options: Any) -> Any:
         """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
 
         Raises:
             OmniReduceError: the op failed on a shard (the message names it).
         """
-        return self.allreduce_async(x, inplace=inplace, out=out, **kwargs).result()
+        return self.allreduce_async(x, **options).result()
 
     @property
     def recommended_batches(self) -> list[float] | None:
@@ -283,7 +274,7 @@ class ShardedWorker(Worker):
         shape = x.shape if hasattr(x, "shape") else None
         if isinstance(x, np.ndarray):
             native = np.ascontiguousarray(x).reshape(-1)
-        elif _is_torch(x):
+        elif is_torch(x):
             native = x.detach().contiguous().reshape(-1)
         else:
             to_flat(x)  # raises the ConfigError naming the unsupported type
@@ -293,20 +284,12 @@ class ShardedWorker(Worker):
         storage = np.dtype(dtype.storage)
         bounds = shard_bounds(n, self.block_size, len(self.shards))
         chunks = [native[lo:hi] for lo, hi in bounds]
+        check_destination(wire, dtype, inplace, out)
         if inplace:
-            if out is not None:
-                raise ConfigError("inplace and out cannot be used together")
             if not shares_memory(x, wire):
                 raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
             return chunks, [{"inplace": True} for _ in chunks], lambda _results: x
-        if out is None:
-            full = lazy_zeros(n, storage, self._written(wire, dtype.itemsize))
-        elif (
-            not isinstance(out, np.ndarray) or out.shape != (n,) or out.dtype != storage or not out.flags.writeable
-        ):
-            raise ConfigError(f"out must be a writeable flat {storage} array of {n} elements")
-        else:
-            full = out
+        full = out if out is not None else lazy_zeros(n, storage, self._written(wire, dtype.itemsize))
         return (
             chunks,
             [{"out": full[lo:hi]} for lo, hi in bounds],
@@ -314,7 +297,7 @@ class ShardedWorker(Worker):
         )
 
     def _split_cuda(self, x: Any, inplace: bool, out: Any) -> tuple[list[Any], Any]:
-        if not _is_torch(x):
+        if not is_torch(x):
             raise ConfigError(
                 "a sharded allreduce of a CUDA array supports torch tensors only; "
                 f"got {type(x).__name__} (wrap it with torch.as_tensor)"
@@ -350,7 +333,7 @@ class ShardedWorker(Worker):
         rows = wire[: nb * self.block_size].reshape(nb, self.block_size)
         picks = np.linspace(0, nb - 1, min(nb, _SAMPLE_BLOCKS)).astype(np.intp)
         own = float(np.count_nonzero(rows[picks].any(axis=1))) / len(picks)
-        return _pages_written(own, self.world_size, self.block_size * itemsize)
+        return pages_written(own, self.world_size, self.block_size * itemsize)
 
     # Errors and stats.
 
@@ -371,16 +354,7 @@ class ShardedWorker(Worker):
         return new
 
     def _record(self, parts: list[OpStats | None], seconds: float) -> OpStats:
-        merged = OpStats(seconds=seconds)
-        for s in parts:
-            if s is None:
-                continue
-            merged.op = s.op
-            if s.path == "dense":
-                merged.path = "dense"
-            for name in _SUMMED:
-                setattr(merged, name, getattr(merged, name) + getattr(s, name))
-            merged.rounds = max(merged.rounds, s.rounds)
+        merged = merge_parallel([p for p in parts if p is not None], seconds)
         with self._stats_lock:
             self.stats.add(merged)
         return merged
@@ -388,11 +362,6 @@ class ShardedWorker(Worker):
 
 def _identity(text: str) -> str:
     return text
-
-
-def _is_torch(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:

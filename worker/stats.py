@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["OpStats", "Stats", "frames_nbytes"]
+__all__ = ["OpStats", "Stats", "frames_nbytes", "merge_parallel"]
 
 
 def frames_nbytes(frames: list[Any]) -> int:
@@ -23,6 +23,8 @@ class OpStats:
 
     op: int = 0
     elements: int = 0
+    #: Blocks of the tensor.
+    blocks: int = 0
     dense_bytes: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -36,6 +38,11 @@ class OpStats:
     path: str = "sparse"
 
     @property
+    def union_density(self) -> float:
+        """Blocks received (the union of every worker's nonzero blocks, for a sparse op) over the tensor's."""
+        return self.blocks_received / self.blocks if self.blocks else 0.0
+
+    @property
     def sent_fraction(self) -> float:
         """Bytes sent as a fraction of the dense payload (0 for an empty op)."""
         return self.bytes_sent / self.dense_bytes if self.dense_bytes else 0.0
@@ -44,10 +51,31 @@ class OpStats:
         return asdict(self)
 
 
-_SUMMED = (
-    "elements", "dense_bytes", "bytes_sent", "bytes_received", "blocks_sent", "blocks_received",
-    "messages_sent", "messages_received", "rounds", "seconds",
+# Counters that add up over parts of one op run in parallel (shards); rounds and
+# seconds are the slowest part's there, and add up only over ops run one after another.
+_PARALLEL_SUMMED = (
+    "elements", "blocks", "dense_bytes", "bytes_sent", "bytes_received", "blocks_sent", "blocks_received",
+    "messages_sent", "messages_received",
 )
+_SUMMED = (*_PARALLEL_SUMMED, "rounds", "seconds")
+
+
+def merge_parallel(parts: list[OpStats], seconds: float) -> OpStats:
+    """One op's stats from those of its parts run in parallel (e.g. one per aggregator shard).
+
+    Args:
+        parts: the parts' stats.
+        seconds: the whole op's wall time.
+    """
+    merged = OpStats(seconds=seconds)
+    for s in parts:
+        merged.op = s.op
+        if s.path == "dense":
+            merged.path = "dense"
+        for name in _PARALLEL_SUMMED:
+            setattr(merged, name, getattr(merged, name) + getattr(s, name))
+        merged.rounds = max(merged.rounds, s.rounds)
+    return merged
 
 
 @dataclass(slots=True)

@@ -11,10 +11,11 @@ import numpy as np
 from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError
 
-__all__ = ["to_flat", "shares_memory"]
+__all__ = ["to_flat", "shares_memory", "is_torch"]
 
 
-def _is_torch(x: Any) -> bool:
+def is_torch(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor; does not import torch."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)
 
@@ -41,7 +42,7 @@ def to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], Any]]:
             ) from None
         shape = x.shape
         return np.ascontiguousarray(x).reshape(-1), dtype, lambda out: out.reshape(shape)
-    if _is_torch(x):
+    if is_torch(x):
         return _torch_to_flat(x)
     raise ConfigError(f"allreduce takes a NumPy array or a torch tensor, got {type(x).__name__}")
 
@@ -68,6 +69,6 @@ def shares_memory(x: Any, flat: np.ndarray) -> bool:
         return True  # nothing to write: any empty tensor (a shard's empty chunk) qualifies
     if isinstance(x, np.ndarray):
         return bool(np.shares_memory(x, flat)) and x.size == flat.size
-    if _is_torch(x):
+    if is_torch(x):
         return x.is_contiguous() and x.numel() == flat.size and x.data_ptr() == flat.ctypes.data
     return False

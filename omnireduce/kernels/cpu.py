@@ -18,6 +18,7 @@ import numpy as np
 
 from omnireduce.errors import ConfigError
 from omnireduce.kernels.bits import bits_info, check_block_size, threshold_bits
+from omnireduce.layout import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -187,12 +188,10 @@ def payload_length(indices: np.ndarray, length: int, block_size: int) -> int:
     lo, hi = int(indices.min()), int(indices.max())
     if lo < 0 or hi >= nb:
         raise ConfigError(f"block indices must lie in [0, {nb}), got [{lo}, {hi}]")
-    short = length - (nb - 1) * block_size
-    if short == block_size or hi != nb - 1:
-        return k * block_size
-    if int(indices[-1]) != nb - 1:
+    layout = Layout(length, block_size, 1, 1)
+    if hi == nb - 1 and layout.tail_length != block_size and int(indices[-1]) != nb - 1:
         raise ConfigError("the short last block must be the last entry of the payload")
-    return k * block_size - (block_size - short)
+    return layout.payload_elements(indices)
 
 
 def block_mask_cpu(flat: np.ndarray, block_size: int, threshold: float = 0.0, parallel: bool = True) -> np.ndarray:

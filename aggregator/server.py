@@ -16,6 +16,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -68,6 +69,8 @@ class Aggregator:
 
     Args:
         listen: ZeroMQ endpoint to bind, e.g. ``tcp://0.0.0.0:5555``; port 0 picks a free port.
+            A sequence (or comma-separated string) binds each: a co-located worker
+            reaches its own shard over ``inproc://`` while the others use TCP.
         timeout: seconds after an op's first message at which it is failed on all its
             workers; None waits forever.
         context: ZeroMQ context to use; a private one by default (CURVE needs its
@@ -96,7 +99,7 @@ class Aggregator:
 
     def __init__(
         self,
-        listen: str = "tcp://127.0.0.1:0",
+        listen: str | Sequence[str] = "tcp://127.0.0.1:0",
         timeout: float | None = None,
         context: zmq.Context | None = None,
         *,
@@ -114,6 +117,9 @@ class Aggregator:
         allowed = config.resolve_optional(curve_client_keys, config.OMNIREDUCE_CURVE_CLIENT_KEYS, str)
         if allowed is not None and secret is None:
             raise ConfigError("curve_client_keys needs curve_secret_key (CURVE is off without a server key)")
+        endpoints = config.split_addresses(listen)
+        if not endpoints:
+            raise ConfigError("no endpoint to listen on")
         self.heartbeat_timeout = heartbeat_timeout if heartbeat else None
         self._own_context = context is None
         self._ctx = context or zmq.Context()
@@ -122,15 +128,21 @@ class Aggregator:
         self._auth = None
         self._metrics: Any = None
         self._sock = self._ctx.socket(zmq.ROUTER)
+        #: Every endpoint bound, as resolved (port 0 replaced by the port chosen).
+        self.addresses: list[str] = []
         try:
             self._configure(heartbeat, heartbeat_timeout, secret, allowed)
-            self._sock.bind(_bindable(listen))
+            for endpoint in endpoints:
+                self._sock.bind(_bindable(endpoint))
+                self.addresses.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
         except (zmq.ZMQError, ConfigError) as e:
             self._teardown()
             if isinstance(e, ConfigError):
                 raise
             raise OSError(f"cannot listen on {listen!r}: {e}") from e
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        #: The first endpoint bound, as resolved.
+        self.address: str = self.addresses[0]
+        self._inproc = any(a.startswith("inproc://") for a in self.addresses)
         self.curve = secret is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -154,7 +166,7 @@ class Aggregator:
             host, port = self._metrics.server_address[:2]
             self.metrics_address = f"http://{host}:{port}/metrics"
             logger.info("metrics on %s", self.metrics_address)
-        logger.info("omnireduce aggregator listening on %s%s", self.address, " (CURVE)" if self.curve else "")
+        logger.info("omnireduce aggregator listening on %s%s", ", ".join(self.addresses), " (CURVE)" if self.curve else "")
 
     def _configure(self, heartbeat: float, heartbeat_timeout: float, secret: str | None, allowed: str | None) -> None:
         s = self._sock
@@ -276,6 +288,9 @@ class Aggregator:
             fd = frame.get(zmq.SRCFD)
         except (zmq.ZMQError, AttributeError, ValueError) as e:  # deprecated in libzmq; may vanish
             self._peer_conn[peer] = None
+            if self._inproc:
+                # An inproc peer has no descriptor; it lives and dies with this process.
+                return
             self._log(logging.WARNING, "cannot tell connections apart (%s): dead workers are noticed on send only", e)
             return
         # Events up to the acceptance of this connection were emitted before its first

@@ -45,8 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         ]
 
         def placement(w: int) -> Placement:
+            own = [
+                "tcp://127.0.0.1:0" if args.transport == "tcp" else f"ipc://{os.path.join(tmp, f'rank{r}')}"
+                for r in range(w)
+            ]
             return Placement(aggregators=[(listen, []) for listen in listens], rank_prefixes=[[] for _ in range(w)],
-                             rank_env=[{"GLOO_SOCKET_IFNAME": "lo"} for _ in range(w)])
+                             rank_env=[{"GLOO_SOCKET_IFNAME": "lo"} for _ in range(w)], rank_listen=own)
 
         run(args, placement, args.out, f"allreduce on loopback ({args.transport})", {"network": "loopback"})
     return 0

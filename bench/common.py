@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 #: The systems compared; gloo's dense all_reduce is the reference of every speedup.
-SYSTEMS = ("gloo", "gloo-sparse", "omnireduce", "omnireduce-dense", "omnireduce-auto")
+SYSTEMS = ("gloo", "gloo-sparse", "omnireduce", "omnireduce-dense", "omnireduce-auto", "omnireduce-colocated")
 #: OmniReduce's microbenchmark densities (fraction of 256-element blocks that are nonzero).
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.05, 0.02, 0.01)
 
@@ -59,6 +59,10 @@ class RankSpec:
             ``block_size`` changes, so that block sizes are compared on the same tensors.
         sparse_io: time gloo-sparse's conversion to and from the sparse tensor too.
         interleave: time the systems round-robin per repetition instead of one after another.
+        new_output: time omnireduce's allreduce into a new array; by default it sums in
+            place into the same buffer as gloo's all_reduce (refilled untimed).
+        colocated_listen: per rank, the endpoint its own aggregator shard listens on
+            ("omnireduce-colocated": every rank serves one shard, worker.colocated).
     """
 
     world_size: int
@@ -79,6 +83,8 @@ class RankSpec:
     pattern_block: int = 256
     sparse_io: bool = False
     interleave: bool = False
+    new_output: bool = False
+    colocated_listen: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

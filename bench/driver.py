@@ -38,11 +38,14 @@ class Placement:
             every aggregator process, one per shard.
         rank_prefixes: command prefix of every rank; its length is the world size.
         rank_env: extra environment of every rank (e.g. ``GLOO_SOCKET_IFNAME``).
+        rank_listen: the endpoint every rank's own aggregator shard listens on, for
+            "omnireduce-colocated" (an address the other ranks reach it by; port 0).
     """
 
     aggregators: list[tuple[str, list[str]]]
     rank_prefixes: list[list[str]] = field(default_factory=list)
     rank_env: list[dict[str, str]] = field(default_factory=list)
+    rank_listen: list[str] = field(default_factory=list)
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -130,6 +133,7 @@ def run_world(
             addresses.append(json.loads(line)["address"])
         # Several shards: the workers get them as one comma-separated address (worker.sharded).
         spec.address = ",".join(addresses)
+        spec.colocated_listen = placement.rank_listen or ["tcp://127.0.0.1:0"] * w
         spec.store = os.path.join(run_dir, f"store-w{w}-{os.getpid()}-{time.monotonic_ns()}")
         spec_path = os.path.join(run_dir, f"spec-w{w}.json")
         with open(spec_path, "w") as f:
@@ -231,6 +235,9 @@ def add_args(p: Any) -> None:
     p.add_argument("--sparse-io", action="store_true",
                    help="time gloo sparse from the dense tensor to the dense sum (conversions included); "
                         "by default only the all_reduce of a prebuilt COO tensor is timed")
+    p.add_argument("--new-output", action="store_true",
+                   help="time omnireduce's allreduce into a new array; by default it sums in place into the "
+                        "buffer gloo's all_reduce uses (refilled, untimed, before every call of either)")
     p.add_argument("--no-check", action="store_true", help="skip comparing results with gloo's dense sum")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -316,6 +323,7 @@ def run(
                 message_blocks=args.message_blocks, streams=args.streams, seed=args.seed,
                 op_timeout=args.op_timeout, torch_threads=args.torch_threads, check=not args.no_check,
                 sparse_io=args.sparse_io, pattern_block=args.pattern_block, interleave=args.interleave,
+                new_output=args.new_output,
             )
             run_world(spec, placement_for(w), os.path.join(out_dir, "logs"), deadline, on_event)
     except (BenchError, KeyboardInterrupt) as e:

@@ -53,6 +53,7 @@ class _Case:
         self.xt = torch.from_numpy(self.x)
         self.buf = torch.empty_like(self.xt)
         self.sparse_io = spec.sparse_io
+        self.new_output = spec.new_output
         self.sparse: Any = None
 
     def reset_dense(self) -> None:
@@ -88,7 +89,10 @@ class _Case:
 
     def omnireduce(self, worker: Any) -> Any:
         # A tensor's density is stable from step to step: auto mode keys its history by case.
-        return worker.allreduce(self.x, key=(self.n, self.density))
+        if self.new_output:
+            return worker.allreduce(self.x, key=(self.n, self.density))
+        # As gloo: the sum replaces the buffer's contents (reset_dense refills it, untimed).
+        return worker.allreduce(self.buf, key=(self.n, self.density), inplace=True)
 
 
 def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] = _emit) -> None:
@@ -103,22 +107,32 @@ def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] =
     import torch.distributed as dist
 
     from worker import Worker
+    from worker.colocated import ColocatedWorker, torch_exchange
 
     torch.set_num_threads(spec.torch_threads)
     dist.init_process_group(
         "gloo", init_method=f"file://{spec.store}", rank=rank, world_size=spec.world_size,
         timeout=timedelta(seconds=spec.op_timeout),
     )
-    # One worker per omnireduce system ("omnireduce" sparse, "omnireduce-dense", "omnireduce-auto").
+    # One worker per omnireduce system: "omnireduce" (sparse), "omnireduce-dense" and
+    # "omnireduce-auto" on the dedicated aggregators; "omnireduce-colocated" (sparse) on
+    # a shard served by every rank's own process.
     workers: dict[str, Any] = {}
     for system in spec.systems:
         if system.startswith("omnireduce"):
-            mode = system.partition("-")[2] or "sparse"
-            workers[system] = Worker(
-                spec.address, rank=rank, world_size=spec.world_size,
-                job=f"bench-{os.path.basename(spec.store)}-{mode}", block_size=spec.block_size,
-                message_blocks=spec.message_blocks, streams=spec.streams, timeout=spec.op_timeout, mode=mode,
+            variant = system.partition("-")[2] or "sparse"
+            options: dict[str, Any] = dict(
+                rank=rank, world_size=spec.world_size, job=f"bench-{os.path.basename(spec.store)}-{variant}",
+                block_size=spec.block_size, message_blocks=spec.message_blocks, streams=spec.streams,
+                timeout=spec.op_timeout,
             )
+            if variant == "colocated":
+                workers[system] = ColocatedWorker(
+                    torch_exchange(), listen=spec.colocated_listen[rank], mode="sparse",
+                    aggregator_options={"timeout": spec.op_timeout}, **options,
+                )
+            else:
+                workers[system] = Worker(spec.address, mode=variant, **options)
     try:
         for n in spec.sizes:
             for density in spec.densities:
@@ -147,7 +161,7 @@ def _close(workers: list[Any], dist: Any) -> None:
 def _runner(case: _Case, system: str, worker: Any) -> tuple[Callable[[], Any], Callable[[], None] | None]:
     """The timed call of a system and what resets its input before each call."""
     if worker is not None:  # one of the omnireduce systems
-        return (lambda: case.omnireduce(worker)), None
+        return (lambda: case.omnireduce(worker)), (None if case.new_output else case.reset_dense)
     return {"gloo": (case.gloo, case.reset_dense), "gloo-sparse": (case.gloo_sparse, case.reset_sparse)}[system]
 
 

@@ -103,12 +103,13 @@ def test_allreduce_benchmark_tiny(tmp_path) -> None:
 @pytest.mark.timeout(200)
 def test_allreduce_benchmark_ipc_and_flags(tmp_path) -> None:
     out = str(tmp_path / "out")
-    res = _bench("bench.allreduce", out, "--transport", "ipc", "--systems", "omnireduce",
-                 "--message-blocks", "8", "--streams", "2", "--block-size", "128", "--sparse-io")
+    res = _bench("bench.allreduce", out, "--transport", "ipc", "--systems", "omnireduce", "omnireduce-colocated",
+                 "--message-blocks", "8", "--streams", "2", "--block-size", "128", "--sparse-io", "--new-output")
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = _check_outputs(out, ["omnireduce"], [1.0, 0.05])
+    rows = _check_outputs(out, ["omnireduce", "omnireduce-colocated"], [1.0, 0.05])
     args = json.loads((tmp_path / "out" / "results.json").read_text())["meta"]["args"]
     assert args["transport"] == "ipc" and args["message_blocks"] == 8 and args["block_size"] == 128
+    assert args["new_output"]
     # 157 blocks over 16 columns: the dense op needs more than one round per stream.
     assert max(r["rounds"] for r in rows) > 2
 
@@ -117,7 +118,7 @@ def test_allreduce_benchmark_ipc_and_flags(tmp_path) -> None:
 @pytest.mark.timeout(200)
 def test_allreduce_benchmark_interleaved_modes(tmp_path) -> None:
     out = str(tmp_path / "out")
-    systems = ["gloo", "omnireduce", "omnireduce-dense", "omnireduce-auto"]
+    systems = ["gloo", "omnireduce", "omnireduce-dense", "omnireduce-auto", "omnireduce-colocated"]
     res = _bench("bench.allreduce", out, "--interleave", "--systems", *systems)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = _check_outputs(out, systems, [1.0, 0.05])
@@ -176,10 +177,11 @@ def test_cleanup_stale_removes_dead_runs() -> None:
 @pytest.mark.timeout(200)
 def test_cluster_benchmark_tiny(tmp_path) -> None:
     out = str(tmp_path / "out")
-    res = _bench("bench.cluster", out, "--rate", "1gbit", "--subnet", "198.18.201.0/24")
+    systems = ["gloo", "gloo-sparse", "omnireduce", "omnireduce-colocated"]
+    res = _bench("bench.cluster", out, "--rate", "1gbit", "--subnet", "198.18.201.0/24", "--systems", *systems)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "link check" in res.stdout
-    _check_outputs(out, ["gloo", "gloo-sparse", "omnireduce"], [1.0, 0.05])
+    _check_outputs(out, systems, [1.0, 0.05])
     net = json.loads((tmp_path / "out" / "results.json").read_text())["meta"]["network"]
     assert net["rate"] == "1gbit" and net["measured_stream_bps"] > 0
 

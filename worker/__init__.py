@@ -5,11 +5,13 @@
         y = w.allreduce(x)
 
 Several aggregator shards: ``Worker(["tcp://a:5555", "tcp://b:5555"], ...)`` (or a
-comma-separated ``OMNIREDUCE_ADDRESS``) returns a :class:`ShardedWorker`.
+comma-separated ``OMNIREDUCE_ADDRESS``) returns a :class:`ShardedWorker`. Every
+rank serving one shard itself, with no aggregator to run: :class:`ColocatedWorker`.
 """
 
 from worker.client import Worker
+from worker.colocated import ColocatedWorker
 from worker.sharded import ShardedWorker
 from worker.stats import OpStats, Stats
 
-__all__ = ["Worker", "ShardedWorker", "Stats", "OpStats"]
+__all__ = ["Worker", "ShardedWorker", "ColocatedWorker", "Stats", "OpStats"]

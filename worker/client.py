@@ -127,7 +127,9 @@ class Worker:
     """A client of the aggregator for one rank of one job.
 
     Args:
-        address: the aggregator's endpoint; default ``$OMNIREDUCE_ADDRESS``.
+        address: the aggregator's endpoint; default ``$OMNIREDUCE_ADDRESS``. An
+            ``inproc://`` endpoint reaches an aggregator in this process (it must
+            share ``context``), without copies through the kernel.
         rank: this worker's rank; default ``$RANK``.
         world_size: the number of workers of the job; default ``$WORLD_SIZE``.
         job: the job id shared by its workers; default ``$OMNIREDUCE_JOB``, else "default".
@@ -435,6 +437,11 @@ class Worker:
         poller.register(self._wake_recv, zmq.POLLIN)
         poller.register(self._mon, zmq.POLLIN)
         stopping = False
+        if self.address.startswith("inproc://"):
+            # An inproc peer has no handshake (so no monitor event) to wait for: it is
+            # there from connect on, and gone only with the process.
+            self._connected = True
+            self._outbox.appendleft((None, self._hello))
         try:
             while not stopping:
                 writable = self._connected and bool(self._outbox)

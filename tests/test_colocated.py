@@ -1,0 +1,127 @@
+"""Co-located aggregators: every rank serves one shard (``worker.colocated``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from aggregator import Aggregator
+from omnireduce import ConfigError
+from tests.conftest import run_ranks
+from worker import Worker
+from worker.colocated import ColocatedWorker
+
+SMALL = dict(block_size=16, message_blocks=4, streams=2, timeout=20)
+
+
+class ThreadExchange:
+    """An all-gather of shard addresses among rank threads of one process."""
+
+    def __init__(self, world: int) -> None:
+        self.addresses: list[Any] = [None] * world
+        self._barrier = threading.Barrier(world, timeout=20)
+
+    def __call__(self, rank: int) -> Any:
+        def exchange(address: str) -> list[str]:
+            self.addresses[rank] = address
+            self._barrier.wait()
+            return list(self.addresses)
+
+        return exchange
+
+
+def _inputs(world: int, n: int, density: float, seed: int) -> list[np.ndarray]:
+    """Small integers in random 16-element blocks: every float sum is exact."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(world):
+        keep = np.repeat(rng.random(-(-n // 16)) < density, 16)[:n]
+        out.append(np.where(keep, rng.integers(-50, 50, n), 0).astype(np.float32))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sums_exact_over_every_ranks_shard(world: int) -> None:
+    ex = ThreadExchange(world)
+    cases = [(n, d, seed) for seed, (n, d) in enumerate([(1000, 0.3), (4099, 1.0), (17, 0.5), (100_003, 0.05), (0, 0.0)])]
+    inputs = {c: _inputs(world, *c) for c in cases}
+
+    def rank(r: int) -> list[np.ndarray]:
+        with ColocatedWorker(ex(r), r, world, job="coloc", **SMALL) as w:
+            assert w.addresses[r].startswith("inproc://")
+            assert w.shard_addresses[r] == w.aggregator.address and w.aggregator.address.startswith("tcp://")
+            # Several ops in flight at once, then one at a time in place.
+            futures = [w.allreduce_async(inputs[c][r]) for c in cases]
+            results = [f.result(timeout=30) for f in futures]
+            x = inputs[cases[0]][r].copy()
+            assert w.allreduce(x, inplace=True) is x
+            return [*results, x]
+
+    got = run_ranks(world, rank)
+    for r in range(world):
+        for k, c in enumerate(cases):
+            np.testing.assert_array_equal(got[r][k], np.sum(inputs[c], axis=0, dtype=np.float32))
+        np.testing.assert_array_equal(got[r][-1], np.sum(inputs[cases[0]], axis=0, dtype=np.float32))
+
+
+def test_exchange_results_are_checked_and_nothing_leaks() -> None:
+    before = threading.active_count()
+    with pytest.raises(ConfigError, match="expected 2 addresses"):
+        ColocatedWorker(lambda a: [a], 0, 2, **SMALL)
+    with pytest.raises(ConfigError, match="at rank 1"):
+        ColocatedWorker(lambda a: [a, "tcp://127.0.0.1:1"], 1, 2, **SMALL)
+    with pytest.raises(ConfigError, match="own context"):
+        ColocatedWorker(lambda a: [a], 0, 1, context=zmq.Context.instance())
+    with pytest.raises(ConfigError, match="not in a world"):
+        ColocatedWorker(lambda a: [a], 2, 2)
+    # The shard of every refused worker was closed with it.
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before
+
+
+def test_close_waits_for_the_other_ranks_then_gives_up() -> None:
+    ex = ThreadExchange(2)
+    workers: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        workers[r] = ColocatedWorker(ex(r), r, 2, job="closing", close_timeout=0.3, **SMALL)
+        workers[r].allreduce(np.ones(100, np.float32))
+
+    run_ranks(2, rank)
+    w0, w1 = workers
+    # Rank 1 still uses rank 0's shard: rank 0's close waits for it, up to close_timeout.
+    t0 = time.monotonic()
+    w0.close()
+    assert 0.25 < time.monotonic() - t0 < 5
+    w1.close()  # rank 0 left already: no wait
+    assert time.monotonic() - t0 < 5
+
+
+def test_aggregator_listens_on_several_endpoints() -> None:
+    ctx = zmq.Context()
+    with Aggregator(listen="tcp://127.0.0.1:0, inproc://coloc-test-agg", context=ctx) as agg:
+        agg.start()
+        assert len(agg.addresses) == 2 and agg.addresses[1] == "inproc://coloc-test-agg"
+        assert agg.address == agg.addresses[0] and agg.address.startswith("tcp://127.0.0.1:")
+        x = np.arange(40, dtype=np.float32)
+
+        def rank(r: int) -> np.ndarray:
+            # Rank 0 over TCP, rank 1 in memory: one job across both endpoints.
+            if r == 0:
+                with Worker(agg.addresses[0], rank=0, world_size=2, job="two", **SMALL) as w:
+                    return w.allreduce(x)
+            with Worker(agg.addresses[1], rank=1, world_size=2, job="two", context=ctx, **SMALL) as w:
+                return w.allreduce(x)
+
+        for y in run_ranks(2, rank):
+            np.testing.assert_array_equal(y, 2 * x)
+    ctx.term()
+    with pytest.raises(ConfigError, match="no endpoint"):
+        Aggregator(listen=" , ")

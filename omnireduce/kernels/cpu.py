@@ -34,8 +34,6 @@ except ImportError:  # pragma: no cover - numba is a dependency; kept importable
 # Elements OR-ed together before testing, so the inner loop vectorises while a
 # dense block still exits after its first chunk.
 _CHUNK = 64
-# uint64 words OR-ed together before testing in the word-wise kernel (256 bytes).
-_WORD_CHUNK = 32
 # Mask entries per prefix-sum chunk: enough work per prange iteration to beat
 # the scheduling cost, few enough chunks for the sequential scan between passes.
 _SCAN_CHUNK = 1 << 14
@@ -84,20 +82,27 @@ if HAVE_NUMBA:
 
     @njit(cache=True, nogil=True)
     def _mask_words_serial(words, words_per_block, sign_mask, out):  # type: ignore[no-untyped-def]
-        # The full blocks read as uint64 words: 8 bytes per OR whatever the element
-        # type, and a fixed 32-word chunk that LLVM unrolls and vectorises.
+        # The full blocks read as uint64 words, 8 bytes per OR whatever the element
+        # type, every word of every block with no early exit: a branch-free stream
+        # runs at memory bandwidth at any density (100 MB float32: 7 ms here), while
+        # stopping at a block's first nonzero chunk took 7.5 ms dense, 9.7 ms at 1%
+        # and 15 ms at 10% of blocks nonzero (the exits defeat the prefetcher and the
+        # branch predictor). Four accumulators keep the ORs independent.
+        quad = words_per_block - words_per_block % 4
         for b in range(out.shape[0]):
             start = b * words_per_block
-            end = start + words_per_block
-            hit = False
-            for j in range(start, end, _WORD_CHUNK):
-                acc = np.uint64(0)
-                for i in range(j, min(j + _WORD_CHUNK, end)):
-                    acc |= words[i]
-                if acc & sign_mask:
-                    hit = True
-                    break
-            out[b] = hit
+            a0 = np.uint64(0)
+            a1 = np.uint64(0)
+            a2 = np.uint64(0)
+            a3 = np.uint64(0)
+            for i in range(start, start + quad, 4):
+                a0 |= words[i]
+                a1 |= words[i + 1]
+                a2 |= words[i + 2]
+                a3 |= words[i + 3]
+            for i in range(start + quad, start + words_per_block):
+                a0 |= words[i]
+            out[b] = ((a0 | a1 | a2 | a3) & sign_mask) != 0
 
     @njit(parallel=True, cache=True, nogil=True)
     def _mask_threshold(bits, block_size, sign_mask, thr, out):  # type: ignore[no-untyped-def]
@@ -225,7 +230,7 @@ def block_mask_cpu(flat: np.ndarray, block_size: int, threshold: float = 0.0, pa
         block_bytes = block_size * bits.itemsize
         nfull = flat.shape[0] // block_size
         if not parallel and nfull and block_bytes % 8 == 0 and bits.ctypes.data % 8 == 0:
-            # 5x faster than the element-wise kernel for float32 (27 -> 5.3 ms per 100 MB here).
+            # 4x faster than the element-wise kernel for float32 (27 -> 7 ms per 100 MB here).
             words = bits[: nfull * block_size].view(np.uint64)
             repeat = 8 // bits.itemsize
             sign64 = np.uint64(int.from_bytes(int(info.sign_mask).to_bytes(bits.itemsize, "little") * repeat, "little"))

@@ -628,11 +628,7 @@ class Engine:
                 row_of = np.cumsum(is_active) - 1
             rows = row_of[sel]
             for sl, view in blocks.split_payload(payload, s.cur[sel], layout):
-                vals = _accumulable(view, op.dtype, w)
-                if view.shape[1] == b:
-                    acc[rows[sl]] += vals
-                else:
-                    acc[rows[sl], : view.shape[1]] += vals
+                blocks.add_rows(acc, rows[sl], _accumulable(view, op.dtype, w))
         if acc is None:
             # One whole payload is its own sum: sent back as received, without a copy.
             acc = first if first is not None else np.zeros((k, b), dtype=acc_type)

@@ -25,6 +25,7 @@ __all__ = [
     "split_payload",
     "gather",
     "scatter",
+    "add_rows",
     "contiguous_start",
 ]
 
@@ -40,6 +41,9 @@ __all__ = [
 # way: np.flatnonzero + np.take (gather below) matched or beat the Numba
 # gather at every size, so gather and scatter stay NumPy.
 _NUMBA_MIN_ELEMENTS = 1 << 16
+# From this many elements added on, add_rows calls the Numba kernel (below it the
+# call's overhead is more than NumPy's extra passes cost).
+_ADD_ROWS_NUMBA_MIN = 1 << 12
 
 
 def block_mask_numpy(flat: np.ndarray, block_size: int, threshold: float = 0.0) -> np.ndarray:
@@ -222,3 +226,17 @@ def scatter(flat: np.ndarray, ids: np.ndarray, payload: np.ndarray, layout: Layo
             full[ids[sl]] = view
         else:
             tail[:] = view[0]
+
+
+def add_rows(acc: np.ndarray, rows: np.ndarray, vals: np.ndarray) -> None:
+    """Adds each row of ``vals`` into row ``rows[i]`` of ``acc`` (its first ``vals.shape[1]`` columns).
+
+    The aggregator's sum of a round in which the ranks sent different blocks.
+    ``rows`` must be distinct (a rank sends a block once per round).
+    """
+    if kernels.HAVE_NUMBA and vals.size >= _ADD_ROWS_NUMBA_MIN and acc.dtype == vals.dtype:
+        kernels.add_rows_cpu(acc, rows, vals)
+    elif vals.shape[1] == acc.shape[1]:
+        acc[rows] += vals
+    else:
+        acc[rows, : vals.shape[1]] += vals

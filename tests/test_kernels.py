@@ -199,3 +199,24 @@ def test_threshold_bits_orders_like_floats() -> None:
         for t in np.concatenate([[0.0, 1e-40, 5e-324, 1.0, 65504.0, 3.4e38], 10.0 ** rng.uniform(-30, 30, 50)]):
             thr = kernels.threshold_bits(float(t), info)
             assert float(values_of(np.array([thr], info.uint).view(np.dtype(dtype)))[0]) == rounded_threshold(float(t), dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_add_rows_matches_numpy(dtype) -> None:
+    rng = np.random.default_rng(7)
+    for k, n, width in [(5, 3, 4), (300, 200, 256), (300, 200, 100), (50, 0, 8)]:
+        acc = rng.standard_normal((k, 256 if width > 8 else 8)).astype(dtype)
+        rows = rng.choice(k, n, replace=False)
+        vals = rng.standard_normal((n, width)).astype(dtype)
+        expect = acc.copy()
+        expect[rows, :width] += vals
+        got = acc.copy()
+        kernels.add_rows_cpu(got, rows, vals)
+        assert same_bits(got, expect), (k, n, width)
+        got = acc.copy()
+        blocks.add_rows(got, rows, vals)  # whichever path the size picks
+        assert same_bits(got, expect), (k, n, width)
+    with pytest.raises(ConfigError, match="cannot add rows"):
+        kernels.add_rows_cpu(np.zeros((2, 4), dtype), np.arange(2), np.zeros((2, 5), dtype))
+    with pytest.raises(ConfigError, match="cannot add rows"):
+        kernels.add_rows_cpu(np.zeros((2, 4), np.float32), np.arange(2), np.zeros((2, 4), np.float64))

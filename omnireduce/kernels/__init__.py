@@ -12,7 +12,14 @@ import logging
 from typing import Any
 
 from omnireduce.kernels.bits import bits_info, threshold_bits
-from omnireduce.kernels.cpu import HAVE_NUMBA, block_mask_cpu, compact_cpu, payload_length, scatter_cpu
+from omnireduce.kernels.cpu import (
+    HAVE_NUMBA,
+    add_rows_cpu,
+    block_mask_cpu,
+    compact_cpu,
+    payload_length,
+    scatter_cpu,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +31,7 @@ __all__ = [
     "block_mask_cpu",
     "compact_cpu",
     "scatter_cpu",
+    "add_rows_cpu",
     "cuda_block_mask",
     "cuda_compact",
     "cuda_scatter",

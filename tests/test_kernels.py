@@ -220,3 +220,25 @@ def test_add_rows_matches_numpy(dtype) -> None:
         kernels.add_rows_cpu(np.zeros((2, 4), dtype), np.arange(2), np.zeros((2, 5), dtype))
     with pytest.raises(ConfigError, match="cannot add rows"):
         kernels.add_rows_cpu(np.zeros((2, 4), np.float32), np.arange(2), np.zeros((2, 4), np.float64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_mask_of_mostly_dense_tensors(dtype) -> None:
+    # Most blocks start nonzero, so the kernel stops at first words; the others must
+    # still be read whole: zero-led blocks with a late nonzero, NaN, or only -0.0.
+    rng = np.random.default_rng(zlib.crc32(np.dtype(dtype).name.encode()))
+    for bs in (4, 8, 256):
+        nb = 3000
+        x = make_case(rng, nb * bs + 3, dtype, density=1.0)
+        blocks_view = x[: nb * bs].reshape(nb, bs)
+        picks = rng.choice(nb, 400, replace=False)
+        blocks_view[picks[:100]] = 0  # all zero
+        blocks_view[picks[100:200], : bs // 2] = 0  # nonzero only late
+        blocks_view[picks[200:300]] = 0
+        blocks_view[picks[200:300], -1] = np.array(np.nan, np.float32).astype(dtype) if dtype is not np.uint16 else 0x7FC0
+        blocks_view[picks[300:]] = 0
+        blocks_view[picks[300:], 0] = np.array(-0.0, np.float32).astype(dtype) if dtype is not np.uint16 else 0x8000
+        expect = ref_mask(x, bs)
+        assert expect.mean() > 0.8
+        np.testing.assert_array_equal(kernels.block_mask_cpu(x, bs, parallel=False), expect, err_msg=f"bs={bs}")
+        np.testing.assert_array_equal(blocks.block_mask(x, bs), expect, err_msg=f"bs={bs}")

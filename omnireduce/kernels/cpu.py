@@ -34,6 +34,10 @@ except ImportError:  # pragma: no cover - numba is a dependency; kept importable
 # Elements OR-ed together before testing, so the inner loop vectorises while a
 # dense block still exits after its first chunk.
 _CHUNK = 64
+# The word-wise mask probes every _PROBE_STRIDE-th block's first word and stops at
+# the first word of each block when more than _PROBE_DENSE of the probes are nonzero.
+_PROBE_STRIDE = 64
+_PROBE_DENSE = 0.75
 # Mask entries per prefix-sum chunk: enough work per prange iteration to beat
 # the scheduling cost, few enough chunks for the sequential scan between passes.
 _SCAN_CHUNK = 1 << 14
@@ -91,6 +95,29 @@ if HAVE_NUMBA:
         quad = words_per_block - words_per_block % 4
         for b in range(out.shape[0]):
             start = b * words_per_block
+            a0 = np.uint64(0)
+            a1 = np.uint64(0)
+            a2 = np.uint64(0)
+            a3 = np.uint64(0)
+            for i in range(start, start + quad, 4):
+                a0 |= words[i]
+                a1 |= words[i + 1]
+                a2 |= words[i + 2]
+                a3 |= words[i + 3]
+            for i in range(start + quad, start + words_per_block):
+                a0 |= words[i]
+            out[b] = ((a0 | a1 | a2 | a3) & sign_mask) != 0
+
+    @njit(cache=True, nogil=True)
+    def _mask_words_first(words, words_per_block, sign_mask, out):  # type: ignore[no-untyped-def]
+        # For mostly nonzero tensors: a block whose first word is nonzero is done
+        # after one load (100 MB dense: 0.9 ms instead of 7), the others are read whole.
+        quad = words_per_block - words_per_block % 4
+        for b in range(out.shape[0]):
+            start = b * words_per_block
+            if words[start] & sign_mask:
+                out[b] = True
+                continue
             a0 = np.uint64(0)
             a1 = np.uint64(0)
             a2 = np.uint64(0)
@@ -268,7 +295,14 @@ def block_mask_cpu(flat: np.ndarray, block_size: int, threshold: float = 0.0, pa
             words = bits[: nfull * block_size].view(np.uint64)
             repeat = 8 // bits.itemsize
             sign64 = np.uint64(int.from_bytes(int(info.sign_mask).to_bytes(bits.itemsize, "little") * repeat, "little"))
-            _mask_words_serial(words, np.int64(block_bytes // 8), sign64, out[:nfull])
+            wpb = block_bytes // 8
+            # Probe the first word of every 64th block: where most blocks start nonzero
+            # (a dense gradient), stopping at the first word wins 8x; elsewhere the early
+            # exits cost more than they save (10% dense: 9.0 ms against 7.7 streamed).
+            probe = words[: nfull * wpb : wpb * _PROBE_STRIDE] & sign64
+            dense = np.count_nonzero(probe) > _PROBE_DENSE * len(probe)
+            kernel = _mask_words_first if dense else _mask_words_serial
+            kernel(words, np.int64(wpb), sign64, out[:nfull])
             if nfull < out.shape[0]:
                 _mask_bits_serial(bits[nfull * block_size :], np.int64(block_size), info.uint.type(info.sign_mask),
                                   out[nfull:])

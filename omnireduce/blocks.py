@@ -22,6 +22,7 @@ __all__ = [
     "block_mask",
     "block_mask_numpy",
     "next_table",
+    "next_table_numpy",
     "split_payload",
     "gather",
     "scatter",
@@ -44,6 +45,9 @@ _NUMBA_MIN_ELEMENTS = 1 << 16
 # From this many elements added on, add_rows calls the Numba kernel (below it the
 # call's overhead is more than NumPy's extra passes cost).
 _ADD_ROWS_NUMBA_MIN = 1 << 12
+# From this many blocks on, next_table is one Numba pass (100 MB of 256-element
+# blocks: 0.1 ms instead of 1.3-1.7 ms for NumPy's arange, where, full and accumulate).
+_NEXT_TABLE_NUMBA_MIN = 1 << 12
 
 
 def block_mask_numpy(flat: np.ndarray, block_size: int, threshold: float = 0.0) -> np.ndarray:
@@ -114,6 +118,17 @@ def next_table(mask: np.ndarray, layout: Layout) -> np.ndarray:
         smallest nonzero block index ``r' * C + c`` with ``r' >= r``, or INF. The
         extra last row is all INF so that "the block after row r" is ``[r + 1, c]``.
     """
+    c = layout.num_columns
+    nb = layout.num_blocks
+    if c == 0:
+        return np.full((1, 0), INF, dtype=np.int64)
+    if kernels.HAVE_NUMBA and nb >= _NEXT_TABLE_NUMBA_MIN:
+        return kernels.next_table_cpu(mask, c)
+    return next_table_numpy(mask, layout)
+
+
+def next_table_numpy(mask: np.ndarray, layout: Layout) -> np.ndarray:
+    """Reference :func:`next_table` in NumPy."""
     c = layout.num_columns
     nb = layout.num_blocks
     if c == 0:

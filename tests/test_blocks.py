@@ -96,3 +96,14 @@ def test_bfloat16_accumulator_round_trip() -> None:
     np.testing.assert_array_equal(from_accumulator(half, DType.BFLOAT16), [0x3F80, 0x3F82])
     nan = from_accumulator(np.array([np.nan], np.float32), DType.BFLOAT16)
     assert np.isnan(to_accumulator(nan, DType.BFLOAT16)[0])
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 0.3, 1.0])
+def test_next_table_kernel_matches_numpy(density) -> None:
+    rng = np.random.default_rng(int(density * 100))
+    for nb, mb, streams in [(5000, 7, 3), (102_400, 4096, 8), (4099, 4096, 2), (70_000, 1, 1)]:
+        layout = Layout(nb * 256 - 5, 256, mb, streams)
+        mask = rng.random(nb) < density
+        got = blocks.next_table(mask, layout)
+        np.testing.assert_array_equal(got, blocks.next_table_numpy(mask, layout))
+        assert got.dtype == np.int64

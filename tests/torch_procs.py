@@ -304,5 +304,9 @@ def train_until_failure(rank: int, world: int, init_file: str, address: str, tim
     except BaseException:  # noqa: BLE001 - reported to the parent
         events.put(("crashed", rank, traceback.format_exc()))
     finally:
+        # A Queue's put hands the item to a feeder thread: flush it before the hard exit,
+        # or the parent may never see the last event.
+        events.close()
+        events.join_thread()
         # The gloo group cannot be torn down cleanly once a DDP step failed half-way.
         os._exit(0)

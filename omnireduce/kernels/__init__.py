@@ -17,6 +17,7 @@ from omnireduce.kernels.cpu import (
     add_rows_cpu,
     block_mask_cpu,
     compact_cpu,
+    next_table_cpu,
     payload_length,
     scatter_cpu,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "compact_cpu",
     "scatter_cpu",
     "add_rows_cpu",
+    "next_table_cpu",
     "cuda_block_mask",
     "cuda_compact",
     "cuda_scatter",

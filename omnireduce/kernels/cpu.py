@@ -18,11 +18,13 @@ import numpy as np
 
 from omnireduce.errors import ConfigError
 from omnireduce.kernels.bits import bits_info, check_block_size, threshold_bits
-from omnireduce.layout import Layout
+from omnireduce.layout import INF, Layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HAVE_NUMBA", "block_mask_cpu", "compact_cpu", "scatter_cpu", "add_rows_cpu", "payload_length"]
+__all__ = [
+    "HAVE_NUMBA", "block_mask_cpu", "compact_cpu", "scatter_cpu", "add_rows_cpu", "next_table_cpu", "payload_length",
+]
 
 try:
     from numba import njit, prange
@@ -185,6 +187,36 @@ if HAVE_NUMBA:
             r = rows[i]
             for j in range(width):
                 acc[r, j] += vals[i, j]
+
+
+    @njit(cache=True, nogil=True)
+    def _next_table(mask, columns, inf, table):  # type: ignore[no-untyped-def]
+        rows = table.shape[0] - 1
+        nb = mask.shape[0]
+        for c in range(columns):
+            table[rows, c] = inf
+        for r in range(rows - 1, -1, -1):
+            base = r * columns
+            for c in range(columns):
+                b = base + c
+                table[r, c] = b if b < nb and mask[b] else table[r + 1, c]
+
+
+def next_table_cpu(mask: np.ndarray, num_columns: int) -> np.ndarray:
+    """:func:`omnireduce.blocks.next_table` in one pass from the bottom row up.
+
+    Args:
+        mask: the nonzero-block mask (bool, one entry per block).
+        num_columns: columns of the layout (at least 1).
+
+    Returns:
+        The int64 table of shape ``(rows + 1, num_columns)``.
+    """
+    _require_numba()
+    rows = -(-mask.shape[0] // num_columns)
+    table = np.empty((rows + 1, num_columns), dtype=np.int64)
+    _next_table(np.ascontiguousarray(mask, dtype=np.bool_), np.int64(num_columns), INF, table)
+    return table
 
 
 def add_rows_cpu(acc: np.ndarray, rows: np.ndarray, vals: np.ndarray) -> None:

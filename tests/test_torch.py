@@ -71,6 +71,15 @@ def test_ddp_hook_matches_gloo(agg, tmp_path, world: int, case: str) -> None:
         torch.testing.assert_close(res["got"], results[0]["got"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_hook_on_colocated_shards_matches_gloo(tmp_path, world: int) -> None:
+    results = run_procs("ddp_case", world, tmp_path, "colocated", "buckets")
+    for res in results:
+        assert res["error"] is None and res["buckets"] > 4
+        torch.testing.assert_close(res["got"], res["expected"])
+        torch.testing.assert_close(res["got"], results[0]["got"], rtol=0, atol=0)
+
+
 def test_auto_mode_sends_dense_buckets_through_gloo(agg, tmp_path, monkeypatch) -> None:
     from omnireduce.model import CostParams
 

@@ -74,7 +74,10 @@ def _average_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
 
 
 def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> dict[str, Any]:
-    """DDP with gloo's allreduce against DDP with omnireduce_hook, for one case."""
+    """DDP with gloo's allreduce against DDP with omnireduce_hook, for one case.
+
+    ``address`` "colocated" runs the hook on a :class:`worker.colocated.ColocatedWorker`.
+    """
     from worker import Worker
     from worker.ddp import OmniReduceState, cast_wrapper, omnireduce_hook
 
@@ -84,7 +87,14 @@ def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> 
     kwargs: dict[str, Any] = dict(bucket_cap_mb=0.001 if case == "buckets" else 25, find_unused_parameters=unused)
     ref = DDP(_model(unused, vocab), **kwargs)
     ours = DDP(_model(unused, vocab), **kwargs)
-    with Worker(address, rank=rank, world_size=world, job=f"ddp-{case}-{world}", timeout=30) as w:
+    if address == "colocated":
+        # Every rank serves one aggregator shard: no daemon, addresses over the gloo group.
+        from worker.colocated import ColocatedWorker, torch_exchange
+
+        worker: Any = ColocatedWorker(torch_exchange(), rank, world, job=f"ddp-{case}-{world}", timeout=30)
+    else:
+        worker = Worker(address, rank=rank, world_size=world, job=f"ddp-{case}-{world}", timeout=30)
+    with worker as w:
         state = OmniReduceState(w)
         if case == "fp16":
             ref.register_comm_hook(None, default_hooks.fp16_compress_hook)

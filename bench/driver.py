@@ -109,6 +109,9 @@ def run_world(
     """
     if len(placement.rank_prefixes) != spec.world_size:
         raise ValueError("one rank prefix per rank is required")
+    # Absolute: the rendezvous file goes into a file:// URL, where a relative path would
+    # read as a host name.
+    run_dir = os.path.abspath(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     w = spec.world_size
     procs: list[subprocess.Popen] = []

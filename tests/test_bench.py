@@ -27,13 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_CLUSTER = cluster.preflight()
 
 
-def _bench(module: str, out: str, *extra: str, timeout: float = 150) -> subprocess.CompletedProcess:
+def _bench(module: str, out: str, *extra: str, timeout: float = 150, cwd: str = ROOT) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", module, "--sizes", "20000", "--densities", "1.0", "0.05", "--workers", "2",
         "--repeats", "2", "--warmup", "1", "--time-limit", "120", "--op-timeout", "60", "--no-progress",
         "--out", out, *extra,
     ]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _check_outputs(out: str, systems: list[str], densities: list[float]) -> list[dict]:
@@ -112,6 +113,16 @@ def test_allreduce_benchmark_ipc_and_flags(tmp_path) -> None:
     assert args["new_output"]
     # 157 blocks over 16 columns: the dense op needs more than one round per stream.
     assert max(r["rounds"] for r in rows) > 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_allreduce_benchmark_relative_out_folder(tmp_path) -> None:
+    # The rendezvous file lives under --out and travels as a file:// URL.
+    res = _bench("bench.allreduce", "rel-out", "--systems", "omnireduce", "--no-plot", cwd=str(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(tmp_path / "rel-out" / "results.json") as f:
+        assert len(json.load(f)["rows"]) == 2
 
 
 @pytest.mark.slow

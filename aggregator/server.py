@@ -166,7 +166,9 @@ class Aggregator:
             host, port = self._metrics.server_address[:2]
             self.metrics_address = f"http://{host}:{port}/metrics"
             logger.info("metrics on %s", self.metrics_address)
-        logger.info("omnireduce aggregator listening on %s%s", ", ".join(self.addresses), " (CURVE)" if self.curve else "")
+        logger.info(
+            "omnireduce aggregator listening on %s%s", ", ".join(self.addresses), " (CURVE)" if self.curve else ""
+        )
 
     def _configure(self, heartbeat: float, heartbeat_timeout: float, secret: str | None, allowed: str | None) -> None:
         s = self._sock

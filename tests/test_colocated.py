@@ -11,8 +11,9 @@ import pytest
 import zmq
 
 from aggregator import Aggregator
-from omnireduce import ConfigError
+from omnireduce import ConfigError, OmniReduceError
 from tests.conftest import run_ranks
+from tests.test_security import keys  # noqa: F401 - the CURVE key files fixture
 from worker import Worker
 from worker.colocated import ColocatedWorker
 
@@ -48,7 +49,8 @@ def _inputs(world: int, n: int, density: float, seed: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_sums_exact_over_every_ranks_shard(world: int) -> None:
     ex = ThreadExchange(world)
-    cases = [(n, d, seed) for seed, (n, d) in enumerate([(1000, 0.3), (4099, 1.0), (17, 0.5), (100_003, 0.05), (0, 0.0)])]
+    shapes = [(1000, 0.3), (4099, 1.0), (17, 0.5), (100_003, 0.05), (0, 0.0)]
+    cases = [(n, d, seed) for seed, (n, d) in enumerate(shapes)]
     inputs = {c: _inputs(world, *c) for c in cases}
 
     def rank(r: int) -> list[np.ndarray]:
@@ -125,3 +127,49 @@ def test_aggregator_listens_on_several_endpoints() -> None:
     ctx.term()
     with pytest.raises(ConfigError, match="no endpoint"):
         Aggregator(listen=" , ")
+
+
+def test_curve_across_colocated_shards(keys: dict[str, Any]) -> None:
+    # Every rank's shard holds the job's server key; the TCP connections between ranks
+    # are encrypted and checked, a rank's own shard is reached in memory.
+    ex = ThreadExchange(2)
+    x = np.arange(100, dtype=np.float32)
+
+    def rank(r: int) -> np.ndarray:
+        agg_options = dict(curve_secret_key=keys["server_secret"], curve_client_keys=keys["allowed"])
+        with ColocatedWorker(ex(r), r, 2, job="coloc-curve", aggregator_options=agg_options,
+                             curve_server_key=keys["server_public"], curve_client_key=keys[f"w{r}"], **SMALL) as w:
+            assert w.aggregator.curve
+            return w.allreduce(x)
+
+    for y in run_ranks(2, rank):
+        np.testing.assert_array_equal(y, 2 * x)
+
+
+def test_a_rank_that_leaves_fails_the_others_ops_without_a_hang() -> None:
+    # A rank that left may come back (a restarted process joins again), so the others'
+    # next op waits for it until the worker's timeout, then fails naming a shard; it
+    # does not hang.
+    ex = ThreadExchange(2)
+    left = threading.Event()
+    timeout = 2.0
+
+    def rank(r: int) -> Any:
+        w = ColocatedWorker(ex(r), r, 2, job="leaving", close_timeout=0.5, **{**SMALL, "timeout": timeout})
+        try:
+            if r == 1:
+                return None  # closes at once: its workers say goodbye, its shard goes
+            assert left.wait(10)
+            t0 = time.monotonic()
+            with pytest.raises(OmniReduceError) as e:
+                w.allreduce(np.ones(1000, np.float32))
+            return time.monotonic() - t0, e.value
+        finally:
+            w.close()
+            if r == 1:
+                left.set()
+
+    took, error = run_ranks(2, rank)[0]
+    assert timeout - 0.5 < took < timeout + 3, (took, error)
+    # Both shards wait for rank 1: the first to time out names itself.
+    assert str(error).startswith("shard ") and "no answer from the aggregator" in str(error), error

@@ -234,10 +234,11 @@ def test_mask_of_mostly_dense_tensors(dtype) -> None:
         picks = rng.choice(nb, 400, replace=False)
         blocks_view[picks[:100]] = 0  # all zero
         blocks_view[picks[100:200], : bs // 2] = 0  # nonzero only late
+        nan, neg_zero = (0x7FC0, 0x8000) if dtype is np.uint16 else (np.nan, -0.0)  # bfloat16 as bits
         blocks_view[picks[200:300]] = 0
-        blocks_view[picks[200:300], -1] = np.array(np.nan, np.float32).astype(dtype) if dtype is not np.uint16 else 0x7FC0
+        blocks_view[picks[200:300], -1] = nan
         blocks_view[picks[300:]] = 0
-        blocks_view[picks[300:], 0] = np.array(-0.0, np.float32).astype(dtype) if dtype is not np.uint16 else 0x8000
+        blocks_view[picks[300:], 0] = neg_zero
         expect = ref_mask(x, bs)
         assert expect.mean() > 0.8
         np.testing.assert_array_equal(kernels.block_mask_cpu(x, bs, parallel=False), expect, err_msg=f"bs={bs}")

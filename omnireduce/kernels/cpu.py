@@ -179,7 +179,6 @@ if HAVE_NUMBA:
                 for i in range(start, end):
                     out[i] = payload[src + i]
 
-
     @njit(cache=True, nogil=True)
     def _add_rows(acc, rows, vals):  # type: ignore[no-untyped-def]
         width = vals.shape[1]

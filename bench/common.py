@@ -159,6 +159,7 @@ def add_predictions(
     message_blocks: int | None = None,
     streams: int | None = None,
     shards: int = 1,
+    inplace: bool = True,
 ) -> list[dict[str, Any]]:
     """Attaches the cost model's prediction to every omnireduce and gloo row.
 
@@ -173,6 +174,8 @@ def add_predictions(
         message_blocks: omnireduce's blocks per message; None: the library's default.
         streams: omnireduce's streams per op; None: the library's default.
         shards: aggregator shards.
+        inplace: omnireduce summed into the input's buffer (the benchmark's default; False
+            for ``--new-output`` runs).
 
     Returns:
         ``rows``.
@@ -185,7 +188,7 @@ def add_predictions(
         n, w, d = r["elements"], r["workers"], r["density"]
         if r["system"] == "omnireduce":
             pred = model.sparse_time(n, w, params, d, block_size=block_size, message_blocks=mb, streams=st,
-                                     shards=shards)
+                                     shards=shards, inplace=inplace)
         elif r["system"] == "gloo":
             pred = model.ring_time(4.0 * n, w, params)
         else:

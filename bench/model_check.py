@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     # The layout and shards the run used, as it recorded them.
     a = doc.get("meta", {}).get("args", {})
     add_predictions(rows, params, block_size=a.get("block_size", 256), message_blocks=a.get("message_blocks"),
-                    streams=a.get("streams"), shards=a.get("shards", 1))
+                    streams=a.get("streams"), shards=a.get("shards", 1), inplace=not a.get("new_output", False))
     print()
     print(format_table(rows))
     print()

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from omnireduce.kernels.cpu import PROBE_DENSE
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -268,6 +270,7 @@ def sparse_estimate(
     streams: int = 4,
     shards: int = 1,
     union: float | None = None,
+    inplace: bool = False,
 ) -> SparseEstimate:
     """Predicts one sparse allreduce of this project's protocol, part by part.
 
@@ -288,6 +291,7 @@ def sparse_estimate(
         streams: streams per op.
         shards: aggregator shards; streams, bytes and messages are divided over them.
         union: the union block density, if known (else from ``density`` for random blocks).
+        inplace: the sum goes into the input (or a caller's buffer), not a fresh array.
     """
     n = max(1, world_size)
     size = float(elements) * element_size
@@ -310,11 +314,15 @@ def sparse_estimate(
     bytes_in, bytes_out = float(sent.sum()), n * recv
     # Every stream-round: up to n messages in and n out at the aggregator, 1 in and 1 out at a worker.
     messages = 2.0 * n * stream_rounds
-    mask = size * ((1.0 - dens.max()) * p.mask_s_per_byte + dens.max() * p.mask_dense_s_per_byte)
+    # The mask kernel reads every word of a tensor unless most of its blocks are nonzero,
+    # when it stops at each block's first nonzero word (kernels.cpu.PROBE_DENSE).
+    mask = size * max(p.mask_dense_s_per_byte if d > PROBE_DENSE else p.mask_s_per_byte for d in dens)
     # A fresh result (worker.op.lazy_zeros): below 30% of 4 KiB pages written, a lazy mapping
     # faults in each page a union block lands on; above, huge pages zero the whole tensor.
     pages = 1.0 - (1.0 - u) ** max(1.0, _PAGE / block_bytes)
-    if pages < 0.3 and size >= 1 << 22:
+    if inplace:
+        result_pages = 0.0
+    elif pages < 0.3 and size >= 1 << 22:
         result_pages = pages * size / _PAGE * p.page_fault_s
     else:
         result_pages = size * p.zero_s_per_byte

@@ -169,3 +169,17 @@ def test_calibrate_quick_writes_valid_json(tmp_path, capsys) -> None:
         v = getattr(p, name)
         assert math.isfinite(v) and v > 0, name
     assert "wrote" in capsys.readouterr().out
+
+
+def test_in_place_results_and_the_mask_kernels_dense_probe() -> None:
+    p = CostParams()
+    n = 26_214_400
+    fresh = model.sparse_estimate(n, 2, p, 0.01)
+    inplace = model.sparse_estimate(n, 2, p, 0.01, inplace=True)
+    assert inplace.result_pages == 0 < fresh.result_pages
+    assert inplace.total == pytest.approx(fresh.total - fresh.result_pages)
+    # The kernel streams every word below the dense probe's threshold, stops early above it;
+    # the slowest worker's mask counts.
+    for d, per_byte in [(0.5, p.mask_s_per_byte), (0.9, p.mask_dense_s_per_byte)]:
+        assert model.sparse_estimate(n, 2, p, d).mask == pytest.approx(4 * n * per_byte)
+    assert model.sparse_estimate(n, 2, p, [0.9, 0.1]).mask == pytest.approx(4 * n * p.mask_s_per_byte)

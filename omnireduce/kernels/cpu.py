@@ -23,7 +23,8 @@ from omnireduce.layout import INF, Layout
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "HAVE_NUMBA", "block_mask_cpu", "compact_cpu", "scatter_cpu", "add_rows_cpu", "next_table_cpu", "payload_length",
+    "HAVE_NUMBA", "PROBE_DENSE", "block_mask_cpu", "compact_cpu", "scatter_cpu", "add_rows_cpu", "next_table_cpu",
+    "payload_length",
 ]
 
 try:
@@ -37,9 +38,10 @@ except ImportError:  # pragma: no cover - numba is a dependency; kept importable
 # dense block still exits after its first chunk.
 _CHUNK = 64
 # The word-wise mask probes every _PROBE_STRIDE-th block's first word and stops at
-# the first word of each block when more than _PROBE_DENSE of the probes are nonzero.
+# the first word of each block when more than PROBE_DENSE of the probes are nonzero
+# (omnireduce.model predicts the mask with the same threshold).
 _PROBE_STRIDE = 64
-_PROBE_DENSE = 0.75
+PROBE_DENSE = 0.75
 # Mask entries per prefix-sum chunk: enough work per prange iteration to beat
 # the scheduling cost, few enough chunks for the sequential scan between passes.
 _SCAN_CHUNK = 1 << 14
@@ -313,7 +315,7 @@ def block_mask_cpu(flat: np.ndarray, block_size: int, threshold: float = 0.0, pa
             # (a dense gradient), stopping at the first word wins 8x; elsewhere the early
             # exits cost more than they save (10% dense: 9.0 ms against 7.7 streamed).
             probe = words[: nfull * wpb : wpb * _PROBE_STRIDE] & sign64
-            dense = np.count_nonzero(probe) > _PROBE_DENSE * len(probe)
+            dense = np.count_nonzero(probe) > PROBE_DENSE * len(probe)
             _mask_words(words, np.int64(wpb), sign64, dense, out[:nfull])
             if nfull < out.shape[0]:
                 _mask_bits_serial(bits[nfull * block_size :], np.int64(block_size), info.uint.type(info.sign_mask),

@@ -114,13 +114,13 @@ class ColocatedWorker(ShardedWorker):
             raise ConfigError(f"close_timeout must be non-negative, got {close_timeout}")
         self.close_timeout = close_timeout
         # The aggregator and this rank's workers share one context: inproc needs it.
-        self._own_ctx = zmq.Context()
+        self._shared_ctx = zmq.Context()
         inproc = f"inproc://omnireduce-shard-{os.getpid()}-{next(_inproc_ids)}"
         try:
-            self.aggregator = Aggregator(listen=[listen, inproc], context=self._own_ctx,
+            self.aggregator = Aggregator(listen=[listen, inproc], context=self._shared_ctx,
                                          **dict(aggregator_options or {}))
         except BaseException:
-            self._own_ctx.term()
+            self._shared_ctx.term()
             raise
         try:
             self.aggregator.start()
@@ -133,10 +133,10 @@ class ColocatedWorker(ShardedWorker):
             # Our own shard in memory; an address listed twice (two ranks on one
             # endpoint) is refused by ShardedWorker.
             addresses[rank] = inproc
-            super().__init__(addresses, rank, world_size, context=self._own_ctx, **worker_options)
+            super().__init__(addresses, rank, world_size, context=self._shared_ctx, **worker_options)
         except BaseException:
             self.aggregator.close()
-            self._own_ctx.term()
+            self._shared_ctx.term()
             raise
         #: Every rank's shard address, this rank's as the others reach it.
         self.shard_addresses = tuple(a if k != rank else public for k, a in enumerate(addresses))
@@ -165,4 +165,4 @@ class ColocatedWorker(ShardedWorker):
             logger.warning("rank %d: closing its aggregator shard with %d job(s) still on it after %g s",
                            self.rank, self.aggregator.engine.active_jobs, self.close_timeout)
         self.aggregator.close()
-        self._own_ctx.term()
+        self._shared_ctx.term()

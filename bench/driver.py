@@ -119,7 +119,9 @@ def run_world(
     aggs: list[subprocess.Popen] = []
     try:
         addresses = []
-        for k, (listen, prefix) in enumerate(placement.aggregators):
+        # Co-located ranks serve their own shards: aggregator processes only for the others.
+        dedicated = any(s.startswith("omnireduce") and s != "omnireduce-colocated" for s in spec.systems)
+        for k, (listen, prefix) in enumerate(placement.aggregators if dedicated else []):
             agg_log = os.path.join(run_dir, f"aggregator{k}-w{w}.log")
             logs.append(agg_log)
             with open(agg_log, "w") as errf:

@@ -117,12 +117,15 @@ def test_allreduce_benchmark_ipc_and_flags(tmp_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_allreduce_benchmark_relative_out_folder(tmp_path) -> None:
+def test_allreduce_benchmark_relative_out_folder_colocated_only(tmp_path) -> None:
     # The rendezvous file lives under --out and travels as a file:// URL.
-    res = _bench("bench.allreduce", "rel-out", "--systems", "omnireduce", "--no-plot", cwd=str(tmp_path))
+    res = _bench("bench.allreduce", "rel-out", "--systems", "omnireduce-colocated", "--no-plot", cwd=str(tmp_path))
     assert res.returncode == 0, res.stdout + res.stderr
     with open(tmp_path / "rel-out" / "results.json") as f:
         assert len(json.load(f)["rows"]) == 2
+    # The ranks served their own shards: no aggregator process was started.
+    logs = os.listdir(tmp_path / "rel-out" / "logs")
+    assert any(n.startswith("rank") for n in logs) and not any(n.startswith("aggregator") for n in logs), logs
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "compact_pointers",
     "expand_pointers",
+    "pointer_columns",
     "MAX_ERROR_HEADER_BYTES",
     "MAX_NAME",
     "MAX_WORLD_SIZE",
@@ -284,15 +285,31 @@ def expand_pointers(ids: np.ndarray, first: int, count: int, num_columns: int, n
             or not in column order.
     """
     out = np.full(count, INF, dtype=INDEX_DTYPE)
+    if len(ids):
+        out[pointer_columns(ids, first, count, num_columns, num_blocks) - first] = ids
+    return out
+
+
+def pointer_columns(ids: np.ndarray, first: int, count: int, num_columns: int, num_blocks: int) -> np.ndarray:
+    """The column of each pointer of a run's wire form, checked as :func:`expand_pointers` checks them.
+
+    Costs what the pointers do, not what the run's columns do: a worker applies an
+    instruction with it without expanding the run.
+
+    Returns:
+        The absolute column (``id mod num_columns``) of every pointer, ascending.
+
+    Raises:
+        ProtocolError: as :func:`expand_pointers`.
+    """
     if len(ids) == 0:
-        return out
+        return ids % max(1, num_columns)
     if len(ids) > count or ids.min() < 0 or ids.max() >= num_blocks:
         raise ProtocolError(f"{len(ids)} block pointers for {count} columns, or pointers outside the tensor")
-    cols = ids % num_columns - first
-    if cols[0] < 0 or cols[-1] >= count or (len(cols) > 1 and not (np.diff(cols) > 0).all()):
+    cols = ids % num_columns
+    if cols[0] < first or cols[-1] >= first + count or (len(cols) > 1 and not (np.diff(cols) > 0).all()):
         raise ProtocolError("block pointers outside their columns, repeated or not in column order")
-    out[cols] = ids
-    return out
+    return cols
 
 
 def _check_int(name: str, v: Any, optional: bool = False) -> None:

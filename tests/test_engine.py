@@ -154,3 +154,26 @@ def test_pointer_outside_column_fails_op() -> None:
 def test_loopback_raises_on_error() -> None:
     with pytest.raises(OmniReduceError):
         run_allreduce([np.ones(4, np.float32), np.ones(5, np.float32)], DType.FLOAT32)
+
+
+def test_worker_refuses_an_instruction_that_skips_one_of_its_blocks() -> None:
+    # 12 blocks of 4 in 3 columns, one stream: rank 0 has blocks 1 (column 1) and 5 (column 2).
+    layout = Layout(48, 4, 3, 1)
+    x = np.zeros(48, np.float32)
+    x[4:8] = 1.0
+    x[20:24] = 2.0
+
+    def result(ids: list[int]) -> tuple:
+        return decode(wire(encode(Result("j", 0, 0, 0, None), np.array(ids, np.int64), np.zeros(0, np.float32))))
+
+    def op() -> WorkerOp:
+        return WorkerOp("j", 0, 2, 0, x, DType.FLOAT32, layout)
+
+    assert op().on_result(*result([0, 1, 2])) is not None  # every column instructed: block 1 goes
+    assert op().on_result(*result([1, 5])) is not None  # columns 0 finished for everyone: fine
+    with pytest.raises(OmniReduceError, match="skips a nonzero block"):
+        op().on_result(*result([1]))  # column 2 left out: block 5 would never be sent
+    with pytest.raises(OmniReduceError, match="skips a nonzero block"):
+        op().on_result(*result([4, 5]))  # column 1 asked for block 4: block 1 skipped
+    with pytest.raises(OmniReduceError, match="column order"):
+        op().on_result(*result([5, 1]))

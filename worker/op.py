@@ -25,8 +25,8 @@ from omnireduce.protocol import (
     buffer_of,
     compact_pointers,
     encode,
-    expand_pointers,
     index_array,
+    pointer_columns,
 )
 from worker.stats import OpStats, frames_nbytes
 
@@ -161,7 +161,12 @@ class WorkerOp:
                 self.out = lazy_zeros(layout.length, dtype.storage, written)
         self._table = blocks.next_table(mask, layout)
         self._mynext = self._table[0].copy()
+        # Per stream, the last instruction: its finite pointers, as they came.
         self._cur: list[np.ndarray | None] = [None] * layout.num_streams
+        # Per stream, this worker's columns with a nonzero block still to send: an
+        # instruction must name every one of them (else it skipped one of its blocks).
+        live = self._mynext != INF
+        self._live = [int(np.count_nonzero(live[layout.stream_columns(k)])) for k in range(layout.num_streams)]
         self._rounds = [0] * layout.num_streams
         self._left = layout.num_streams
         self.stats = OpStats(
@@ -210,10 +215,9 @@ class WorkerOp:
             self.batches = msg.batches
         self.stats.bytes_received += frames_nbytes(data)
         self.stats.messages_received += 1
-        prev = self._cur[s]
+        ids = self._cur[s]
         payload = np.frombuffer(buffer_of(data[1]), dtype=self.dtype.storage)
-        if prev is not None:
-            ids = prev[prev != INF]
+        if ids is not None:
             if len(payload) != self.layout.payload_elements(ids):
                 raise ProtocolError(
                     f"result for stream {s} has {len(payload)} elements, expected {self.layout.payload_elements(ids)}"
@@ -226,28 +230,31 @@ class WorkerOp:
         elif len(payload):
             raise ProtocolError("round 0 result carries data")
         cols = self.layout.stream_columns(s)
+        # Only the instructed (finite) pointers are looked at: a round costs what its
+        # blocks do, not what the stream's columns do.
+        cur = index_array(data[0])
         try:
-            cur = expand_pointers(index_array(data[0]), cols.start, cols.stop - cols.start,
-                                  self.layout.num_columns, self.layout.num_blocks)
+            cur_cols = pointer_columns(cur, cols.start, cols.stop - cols.start,
+                                       self.layout.num_columns, self.layout.num_blocks)
         except ProtocolError as e:
             raise ProtocolError(f"instruction for stream {s}: {e}") from None
         self._cur[s] = cur
         self._rounds[s] += 1
         self.stats.rounds = max(self.stats.rounds, self._rounds[s])
-        mine = self._mynext[cols]
-        if (mine < cur).any():
+        mine = self._mynext[cur_cols]
+        if (mine < cur).any() or np.count_nonzero(mine != INF) != self._live[s]:
             raise ProtocolError(f"instruction for stream {s} skips a nonzero block of rank {self.rank}")
-        live = cur != INF
-        if not live.any():
+        if len(cur) == 0:
             self._left -= 1
             return None
-        sel = np.flatnonzero((mine == cur) & live)
+        sel = np.flatnonzero(mine == cur)
         if len(sel) == 0:
             return None
         ids = cur[sel]
-        abs_cols = sel + cols.start
+        abs_cols = cur_cols[sel]
         after = self._table[ids // self.layout.num_columns + 1, abs_cols]
         self._mynext[abs_cols] = after
+        self._live[s] -= int(np.count_nonzero(after == INF))
         # A run of consecutive blocks goes out as a view of the input, without a copy:
         # the input is not modified before the op completes (the caller's contract).
         if self._data is not None:

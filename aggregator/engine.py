@@ -85,16 +85,25 @@ class _OpFailed(OmniReduceError):
 @dataclass(slots=True)
 class _Stream:
     index: int
-    cols: slice
+    # The stream's columns; ``cols`` the ones still active (a finite instruction),
+    # ascending, or None while all are. A column whose instruction is INF never becomes
+    # active again, so a round costs what its active columns do, not what the stream's do.
+    span: slice
+    cols: np.ndarray | None = None
     round: int = 0
+    # The instructed block of every active column.
     cur: np.ndarray = field(default_factory=lambda: _EMPTY_INDEX)
-    # match[w, j]: worker w must send the block instructed in column j this round.
+    # match[w, j]: worker w must send the block instructed in active column j this round.
     match: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=bool))
     expected: set[int] = field(default_factory=set)
     received: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     done: bool = False
     # Bytes of the received frames kept until the round completes.
     held: int = 0
+
+    def columns(self, sel: np.ndarray) -> np.ndarray:
+        """The absolute columns of the active columns at positions ``sel``."""
+        return sel + self.span.start if self.cols is None else self.cols[sel]
 
 
 @dataclass(slots=True)
@@ -520,15 +529,19 @@ class Engine:
         self, op: _Op, s: _Stream, payload: np.ndarray, batches: list[float] | None = None
     ) -> list[Outgoing]:
         """Sends the last round's sums and the next instruction, and sets up the next round."""
-        table = op.nextp[:, s.cols]
+        table = op.nextp[:, s.span] if s.cols is None else op.nextp[:, s.cols]
         cur = table.min(axis=0) if len(table) else _EMPTY_INDEX
         active = cur != INF
-        s.match = (table == cur) & active
+        if not active.all():
+            keep = np.flatnonzero(active)
+            s.cols = s.columns(keep)
+            table, cur = table[:, keep], cur[keep]
+        s.match = table == cur
         s.expected = set(np.flatnonzero(s.match.any(axis=1)).tolist())
         s.received = {}
-        frames = encode(Result(op.job, op.op, s.index, s.round, batches), cur[active], payload)
+        frames = encode(Result(op.job, op.op, s.index, s.round, batches), cur, payload)
         s.cur = cur
-        if not active.any():
+        if not len(cur):
             s.done = True
             op.streams_left -= 1
             if op.streams_left == 0:
@@ -564,7 +577,7 @@ class Engine:
                 ErrorCode.PROTOCOL, f"rank {msg.rank} sent {len(ptrs)} pointers, expected {len(sel)}", [msg.rank]
             )
         ids = s.cur[sel]
-        self._check_pointers(op, ptrs, sel + s.cols.start, ids, msg.rank)
+        self._check_pointers(op, ptrs, s.columns(sel), ids, msg.rank)
         buf = buffer_of(data[1])
         want = op.layout.payload_elements(ids) * op.dtype.itemsize
         if buf.nbytes != want:
@@ -577,7 +590,7 @@ class Engine:
         self.counters.blocks_in += len(sel)
         if len(s.received) < len(s.expected):
             return []
-        summed = int(np.count_nonzero(s.cur != INF))
+        summed = len(s.cur)
         out = self._complete_round(op, s)
         self._unhold(op, s)
         self.counters.rounds += 1
@@ -589,17 +602,14 @@ class Engine:
     def _complete_round(self, op: _Op, s: _Stream) -> list[Outgoing]:
         layout = op.layout
         b = layout.block_size
-        is_active = s.cur != INF
-        active = np.flatnonzero(is_active)
-        ids = s.cur[active]
-        k = len(active)
+        ids = s.cur
+        k = len(ids)
         n_out = layout.payload_elements(ids)
         # Without the short last block, a rank that sent every instructed block (every
         # round of a dense tensor) has a payload that lines up with the sums row for
         # row: it is added as one contiguous array, with no zeroing and no fancy index.
         aligned = n_out == k * b
         acc_type = op.dtype.accumulator
-        row_of: np.ndarray | None = None
         acc: np.ndarray | None = None
         # The first whole payload waits for the second, so that the two are summed
         # in one pass into a new array (no zeroing, no copy of the first).
@@ -607,7 +617,7 @@ class Engine:
         # A fixed rank order makes the sums identical from run to run and on every worker.
         for rank in sorted(s.received):
             sel, ptrs, payload = s.received[rank]
-            op.nextp[rank, sel + s.cols.start] = ptrs
+            op.nextp[rank, s.columns(sel)] = ptrs
             # A weighted op sums weight * blocks (a weight of 1 is skipped: plain sums stay bit-identical).
             w = 1.0 if op.weights is None else float(op.weights[rank])
             if aligned and len(sel) == k:
@@ -623,12 +633,9 @@ class Engine:
                 acc = np.zeros((k, b), dtype=acc_type)
                 if first is not None:
                     acc += first
-            if row_of is None:
-                # Row of each column of the stream in the summed output.
-                row_of = np.cumsum(is_active) - 1
-            rows = row_of[sel]
+            # Row j of the sums is active column j: a rank's blocks go to the rows it was asked for.
             for sl, view in blocks.split_payload(payload, s.cur[sel], layout):
-                blocks.add_rows(acc, rows[sl], _accumulable(view, op.dtype, w))
+                blocks.add_rows(acc, sel[sl], _accumulable(view, op.dtype, w))
         if acc is None:
             # One whole payload is its own sum: sent back as received, without a copy.
             acc = first if first is not None else np.zeros((k, b), dtype=acc_type)

@@ -637,8 +637,11 @@ class Engine:
             for sl, view in blocks.split_payload(payload, s.cur[sel], layout):
                 blocks.add_rows(acc, sel[sl], _accumulable(view, op.dtype, w))
         if acc is None:
-            # One whole payload is its own sum: sent back as received, without a copy.
-            acc = first if first is not None else np.zeros((k, b), dtype=acc_type)
+            # One whole payload is its own sum, but it is copied: from an inproc peer (a
+            # co-located worker) it is the worker's own input memory, which the worker may
+            # change as soon as its own result arrives, while the copies to the other ranks
+            # may still be waiting in their sockets.
+            acc = first.copy() if first is not None else np.zeros((k, b), dtype=acc_type)
         if op.weights is not None:
             # Divided, not multiplied by the inverse: equal weights give the plain mean's bits.
             acc = np.divide(acc, acc_type.type(op.weights.sum()), dtype=acc_type)

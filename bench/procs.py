@@ -229,8 +229,10 @@ def _report(
             "type": "result", "workers": spec.world_size, "elements": case.n,
             "density": case.density, "system": system,
             "times": t.tolist(), "ok": bool(flag.item()) if ref is not None else None,
-            # Aggregator shards the omnireduce ops were split over (a comma-separated address).
-            "shards": len([a for a in spec.address.split(",") if a]),
+            # Aggregator shards the omnireduce ops were split over: one per rank co-located,
+            # else the dedicated ones (a comma-separated address).
+            "shards": spec.world_size if system == "omnireduce-colocated"
+            else len([a for a in spec.address.split(",") if a]),
         }
         if worker is not None and worker.stats.last is not None:
             last = worker.stats.last

@@ -120,6 +120,8 @@ def next_table(mask: np.ndarray, layout: Layout) -> np.ndarray:
     """
     c = layout.num_columns
     nb = layout.num_blocks
+    if len(mask) != nb:
+        raise ConfigError(f"mask has {len(mask)} entries for {nb} blocks")
     if c == 0:
         return np.full((1, 0), INF, dtype=np.int64)
     if kernels.HAVE_NUMBA and nb >= _NEXT_TABLE_NUMBA_MIN:

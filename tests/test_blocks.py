@@ -5,6 +5,7 @@ import pytest
 
 from omnireduce import blocks, kernels
 from omnireduce.dtypes import DType, from_accumulator, to_accumulator
+from omnireduce.errors import ConfigError
 from omnireduce.layout import INF, Layout
 
 MASKS = [blocks.block_mask_numpy, blocks.block_mask]
@@ -107,3 +108,9 @@ def test_next_table_kernel_matches_numpy(density) -> None:
         got = blocks.next_table(mask, layout)
         np.testing.assert_array_equal(got, blocks.next_table_numpy(mask, layout))
         assert got.dtype == np.int64
+
+
+def test_next_table_refuses_a_mask_of_another_length() -> None:
+    layout = Layout(100_000, 4, 64, 2)
+    with pytest.raises(ConfigError, match="mask has"):
+        blocks.next_table(np.zeros(layout.num_blocks + 1, bool), layout)

@@ -173,3 +173,30 @@ def test_a_rank_that_leaves_fails_the_others_ops_without_a_hang() -> None:
     assert timeout - 0.5 < took < timeout + 3, (took, error)
     # Both shards wait for rank 1: the first to time out names itself.
     assert str(error).startswith("shard ") and "no answer from the aggregator" in str(error), error
+
+
+def test_the_input_may_change_once_the_op_returned() -> None:
+    # Only rank 0 has blocks in its own shard's chunk, which reaches that shard in memory;
+    # rank 0 overwrites its input as soon as its allreduce returns, while the shard may
+    # still be sending the sums to rank 1: rank 1 must get the values of the op.
+    n = 1 << 21
+    ex = ThreadExchange(2)
+    step = threading.Barrier(2, timeout=30)
+
+    def rank(r: int) -> list[float]:
+        seen = []
+        with ColocatedWorker(ex(r), r, 2, job="overwrite", timeout=30) as w:
+            for _ in range(30):
+                x = np.zeros(n, np.float32)
+                if r == 0:
+                    x[: n // 2] = 1.0
+                step.wait()
+                y = w.allreduce(x)
+                if r == 0:
+                    x[:] = 7.0
+                else:
+                    seen.append(float(np.abs(y[: n // 2] - 1.0).max()))
+                step.wait()
+        return seen
+
+    assert run_ranks(2, rank)[1] == [0.0] * 30

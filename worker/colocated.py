@@ -56,6 +56,9 @@ _inproc_ids = itertools.count()
 def torch_exchange(group: Any = None) -> Exchange:
     """An :data:`Exchange` over a torch process group (``all_gather_object``).
 
+    The addresses come back in the group's rank order: the co-located workers' ranks
+    must be the ranks in ``group`` (the global ranks for the default group).
+
     Args:
         group: the process group; the default group if None.
     """
@@ -154,6 +157,8 @@ class ColocatedWorker(ShardedWorker):
         The other ranks may still be reading their last results from this rank's
         shard when this rank is done: the shard closes when no rank's worker is
         connected any more (each says goodbye on close), or after ``close_timeout``.
+        A process with several co-located workers should close them in the same
+        order on every rank, or each close waits ``close_timeout`` for the others.
         """
         if self._closed:
             return

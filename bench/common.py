@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SYSTEMS",
+    "COLOCATED",
     "DENSITIES",
     "RankSpec",
     "make_tensor",
@@ -30,7 +31,9 @@ __all__ = [
 ]
 
 #: The systems compared; gloo's dense all_reduce is the reference of every speedup.
-SYSTEMS = ("gloo", "gloo-sparse", "omnireduce", "omnireduce-dense", "omnireduce-auto", "omnireduce-colocated")
+#: The omnireduce system whose ranks serve their own aggregator shards (worker.colocated).
+COLOCATED = "omnireduce-colocated"
+SYSTEMS = ("gloo", "gloo-sparse", "omnireduce", "omnireduce-dense", "omnireduce-auto", COLOCATED)
 #: OmniReduce's microbenchmark densities (fraction of 256-element blocks that are nonzero).
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.05, 0.02, 0.01)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from bench.common import RankSpec
+from bench.common import COLOCATED, RankSpec
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def run_world(
     try:
         addresses = []
         # Co-located ranks serve their own shards: aggregator processes only for the others.
-        dedicated = any(s.startswith("omnireduce") and s != "omnireduce-colocated" for s in spec.systems)
+        dedicated = any(s.startswith("omnireduce") and s != COLOCATED for s in spec.systems)
         for k, (listen, prefix) in enumerate(placement.aggregators if dedicated else []):
             agg_log = os.path.join(run_dir, f"aggregator{k}-w{w}.log")
             logs.append(agg_log)

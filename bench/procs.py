@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import RankSpec, make_tensor
+from bench.common import COLOCATED, RankSpec, make_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] =
                 block_size=spec.block_size, message_blocks=spec.message_blocks, streams=spec.streams,
                 timeout=spec.op_timeout,
             )
-            if variant == "colocated":
+            if system == COLOCATED:
                 workers[system] = ColocatedWorker(
                     torch_exchange(), listen=spec.colocated_listen[rank], mode="sparse",
                     aggregator_options={"timeout": spec.op_timeout}, **options,
@@ -231,7 +231,7 @@ def _report(
             "times": t.tolist(), "ok": bool(flag.item()) if ref is not None else None,
             # Aggregator shards the omnireduce ops were split over: one per rank co-located,
             # else the dedicated ones (a comma-separated address).
-            "shards": spec.world_size if system == "omnireduce-colocated"
+            "shards": spec.world_size if system == COLOCATED
             else len([a for a in spec.address.split(",") if a]),
         }
         if worker is not None and worker.stats.last is not None:

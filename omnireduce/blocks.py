@@ -122,9 +122,7 @@ def next_table(mask: np.ndarray, layout: Layout) -> np.ndarray:
     nb = layout.num_blocks
     if len(mask) != nb:
         raise ConfigError(f"mask has {len(mask)} entries for {nb} blocks")
-    if c == 0:
-        return np.full((1, 0), INF, dtype=np.int64)
-    if kernels.HAVE_NUMBA and nb >= _NEXT_TABLE_NUMBA_MIN:
+    if kernels.HAVE_NUMBA and c and nb >= _NEXT_TABLE_NUMBA_MIN:
         return kernels.next_table_cpu(mask, c)
     return next_table_numpy(mask, layout)
 

@@ -303,7 +303,7 @@ def pointer_columns(ids: np.ndarray, first: int, count: int, num_columns: int, n
         ProtocolError: as :func:`expand_pointers`.
     """
     if len(ids) == 0:
-        return ids % max(1, num_columns)
+        return ids
     if len(ids) > count or ids.min() < 0 or ids.max() >= num_blocks:
         raise ProtocolError(f"{len(ids)} block pointers for {count} columns, or pointers outside the tensor")
     cols = ids % num_columns

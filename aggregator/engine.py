@@ -129,7 +129,10 @@ class _Op:
 
 
 def _accumulable(vals: np.ndarray, dtype: DType, weight: float) -> np.ndarray:
-    """Received values in the accumulator type, times ``weight``; no copy when neither changes them."""
+    """Received values in the accumulator type, times ``weight``; no copy when neither changes them.
+
+    Integers (int64 accumulator) always have weight 1: weighted integer ops are refused at START.
+    """
     acc_type = dtype.accumulator
     if vals.dtype != acc_type:
         vals = to_accumulator(vals, dtype)  # copies even when the types agree: only called when they differ
@@ -418,6 +421,14 @@ class Engine:
         except OmniReduceError as e:
             raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank}: {e}") from None
         dtype = DType(msg.dtype)
+        if dtype.is_integer and msg.weight is not None:
+            # A weighted mean of integers has no integer result; the worker refuses it
+            # first, so only a foreign or broken worker gets here. Later STARTs of the op
+            # then fail on its tombstone, so every rank hears of it.
+            raise _OpFailed(
+                ErrorCode.MISMATCH, f"rank {msg.rank} asked for a weighted mean of {dtype.name.lower()} elements: "
+                "integer ops are plain sums, without weights", [msg.rank],
+            )
         message = min(msg.message_blocks, max(layout.num_columns, 1)) * msg.block_size * dtype.itemsize
         if message > lim.max_message_bytes:
             raise _OpFailed(ErrorCode.LIMIT, f"messages of this op would carry up to {message} bytes, above the "

@@ -8,6 +8,7 @@ from omnireduce.dtypes import DType
 from omnireduce.errors import (
     AggregatorError,
     AuthError,
+    CollectiveError,
     ConfigError,
     ConnectionLostError,
     LimitError,
@@ -40,5 +41,6 @@ __all__ = [
     "ConnectionLostError",
     "AuthError",
     "WorkerClosedError",
+    "CollectiveError",
     "__version__",
 ]

@@ -55,13 +55,14 @@ def block_mask_numpy(flat: np.ndarray, block_size: int, threshold: float = 0.0) 
     n = flat.shape[0]
     nb = -(-n // block_size)
     out = np.empty(nb, dtype=np.bool_)
-    info = kernels.bits_info(flat.dtype)
+    info = kernels.bits_info(flat.dtype, integers=True)
     thr = kernels.threshold_bits(threshold, info)
     if n == 0:
         return out
     # Comparing the bits without the sign makes -0.0 zero and NaN nonzero, for
     # bfloat16 bit patterns too; for non-negative floats the order of the bit
     # patterns is the order of the values, so the threshold is one comparison.
+    # An integer's sign_mask keeps every bit: its most negative value is the sign bit alone.
     bits = flat.view(info.uint)
     sign_mask = info.uint.type(info.sign_mask)
     nfull = n // block_size
@@ -86,14 +87,16 @@ def block_mask(flat: np.ndarray, block_size: int, threshold: float = 0.0) -> np.
 
     A block is nonzero when any element has ``|x| > threshold`` (the threshold
     rounded to the element type), or is NaN or Inf; a block of 0.0 and -0.0 is
-    zero. The last block may be short.
+    zero. A block of integers is zero when all its elements are 0. The last block
+    may be short.
 
     Args:
-        flat: contiguous 1-D float array (bfloat16 as uint16 bits).
+        flat: contiguous 1-D float array (bfloat16 as uint16 bits) or integer
+            array (int8, uint8, int16, int32, int64).
         block_size: elements per block.
         threshold: finite and >= 0; when positive, the blocks found zero are
             zeroed in place in ``flat`` (as OmniReduce's kernel does), so ``flat``
-            must be writeable.
+            must be writeable. Integers take 0 only (their sums are exact).
 
     Returns:
         A bool array of ``ceil(len(flat) / block_size)`` entries.

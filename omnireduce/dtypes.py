@@ -3,6 +3,12 @@
 16-bit floats travel at 2 bytes but are summed in float32, as OmniReduce does,
 so an fp16 sum of many workers does not lose more than one final rounding.
 bfloat16 has no NumPy type: it travels and is stored as its uint16 bit pattern.
+
+Integers travel as themselves and are summed in int64; the sums are narrowed back
+to the stored type by two's-complement truncation, so they wrap exactly as an
+integer sum in the stored type does (torch's own integer allreduce on gloo):
+addition modulo ``2**bits`` gives the same low bits whatever the width it is done
+in. An integer op is always a plain sum: a weighted mean has no integer result.
 """
 
 from __future__ import annotations
@@ -15,12 +21,17 @@ __all__ = ["DType", "to_accumulator", "from_accumulator"]
 
 
 class DType(IntEnum):
-    """Wire codes of the supported element types."""
+    """Wire codes of the supported element types (the ``dtype`` field of START)."""
 
     FLOAT32 = 1
     FLOAT64 = 2
     FLOAT16 = 3
     BFLOAT16 = 4
+    INT32 = 5
+    INT64 = 6
+    INT8 = 7
+    UINT8 = 8
+    INT16 = 9
 
     @property
     def storage(self) -> np.dtype:
@@ -30,18 +41,26 @@ class DType(IntEnum):
     @property
     def accumulator(self) -> np.dtype:
         """The NumPy dtype the aggregator sums in."""
-        return np.dtype(np.float64) if self is DType.FLOAT64 else np.dtype(np.float32)
+        return _ACCUMULATOR[self]
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element on the wire."""
         return _STORAGE[self].itemsize
+
+    @property
+    def is_integer(self) -> bool:
+        """Whether the elements are integers: exact sums that wrap, no weighted means."""
+        return self in _INTEGERS
 
     @classmethod
     def of_numpy(cls, dtype: np.dtype) -> DType:
-        """The wire code of a NumPy float dtype.
+        """The wire code of a NumPy float or integer dtype.
+
+        uint16 is not one: it is how bfloat16 is stored, and has no wire type of its own.
 
         Raises:
-            KeyError: the dtype is not a supported float type.
+            KeyError: the dtype is not a supported element type.
         """
         return _FROM_NUMPY[np.dtype(dtype)]
 
@@ -51,12 +70,18 @@ _STORAGE = {
     DType.FLOAT64: np.dtype(np.float64),
     DType.FLOAT16: np.dtype(np.float16),
     DType.BFLOAT16: np.dtype(np.uint16),
+    DType.INT32: np.dtype(np.int32),
+    DType.INT64: np.dtype(np.int64),
+    DType.INT8: np.dtype(np.int8),
+    DType.UINT8: np.dtype(np.uint8),
+    DType.INT16: np.dtype(np.int16),
 }
-_FROM_NUMPY = {
-    np.dtype(np.float32): DType.FLOAT32,
-    np.dtype(np.float64): DType.FLOAT64,
-    np.dtype(np.float16): DType.FLOAT16,
+_INTEGERS = frozenset({DType.INT32, DType.INT64, DType.INT8, DType.UINT8, DType.INT16})
+_ACCUMULATOR = {
+    d: np.dtype(np.int64) if d in _INTEGERS else np.dtype(np.float64) if d is DType.FLOAT64 else np.dtype(np.float32)
+    for d in DType
 }
+_FROM_NUMPY = {_STORAGE[d]: d for d in DType if d is not DType.BFLOAT16}
 
 
 def to_accumulator(values: np.ndarray, dtype: DType) -> np.ndarray:
@@ -67,7 +92,11 @@ def to_accumulator(values: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 def from_accumulator(values: np.ndarray, dtype: DType) -> np.ndarray:
-    """Rounds accumulated sums back to the stored type (round to nearest even)."""
+    """Converts accumulated sums back to the stored type.
+
+    Floats are rounded to nearest even; integers keep their low bits (NumPy's
+    integer cast truncates), which is the sum wrapped as the stored type wraps.
+    """
     if dtype is DType.BFLOAT16:
         bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
         nan = (bits & 0x7FFFFFFF) > 0x7F800000

@@ -107,3 +107,12 @@ class AuthError(OpError, PermissionError):
 
 class WorkerClosedError(OmniReduceError):
     """The worker was closed, or its communication thread died, while an op was pending."""
+
+
+class CollectiveError(OmniReduceError, RuntimeError):
+    """A torch collective (a process group's op or a DDP bucket) failed on this rank.
+
+    A ``RuntimeError``, as torch's own backends raise; ``__cause__`` is the error of
+    the op that failed (e.g. :class:`MismatchError`), whose type and text the
+    message repeats.
+    """

@@ -144,7 +144,9 @@ def test_threshold_needs_writeable_input() -> None:
 
 def test_bad_inputs() -> None:
     with pytest.raises(ConfigError):
-        kernels.block_mask_cpu(np.zeros(4, np.int32), 2)
+        kernels.block_mask_cpu(np.zeros(4, np.uint32), 2)
+    with pytest.raises(ConfigError, match="threshold"):
+        kernels.block_mask_cpu(np.zeros(4, np.int32), 2, 0.5)  # integers are summed exactly: no threshold
     with pytest.raises(ConfigError):
         kernels.block_mask_cpu(np.zeros((2, 4), np.float32), 2)
     with pytest.raises(ConfigError):

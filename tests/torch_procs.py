@@ -320,3 +320,249 @@ def train_until_failure(rank: int, world: int, init_file: str, address: str, tim
         events.join_thread()
         # The gloo group cannot be torn down cleanly once a DDP step failed half-way.
         os._exit(0)
+
+
+class SparseClickModel(nn.Module):
+    """ClickModel with ``sparse=True`` embeddings (two tables): their gradients are sparse COO tensors."""
+
+    def __init__(self, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(vocab, DIM, mode="sum", sparse=True)
+        self.emb2 = nn.Embedding(vocab // 2, DIM, sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(2 * DIM, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, idx: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        second = self.emb2(idx[offsets] % self.emb2.num_embeddings)
+        return self.mlp(torch.cat([self.emb(idx, offsets), second], dim=1)).squeeze(-1)
+
+
+class ShortAt:
+    """Fault injector around a worker: this rank's op number ``at`` sends its tensor one element
+    short, as a rank out of step with the others would, so the aggregator reports a mismatch."""
+
+    def __init__(self, worker: Any, at: int) -> None:
+        self._worker = worker
+        self._at = at
+        self._ops = 0
+
+    def allreduce_async(self, x: Any, **options: Any) -> Any:
+        n, self._ops = self._ops, self._ops + 1
+        if n == self._at:
+            options.pop("inplace", None)
+            x = x.detach().reshape(-1)[:-1].clone()
+        return self._worker.allreduce_async(x, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._worker, name)
+
+
+def _sparse_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    idx, off, y = batch(rank, step)
+    return nn.functional.binary_cross_entropy_with_logits(model(idx, off), y)
+
+
+def sparse_ddp_case(rank: int, world: int, address: str, how: str, steps: int = 4) -> dict[str, Any]:
+    """DDP with ``sparse=True`` embeddings on gloo against the same through omnireduce.
+
+    ``how``: "hook" (omnireduce_hook on a Worker), "sharded" (the hook on two
+    aggregator shards: ``address`` is a comma-separated pair) or "backend" (DDP on an
+    omnireduce process group). Returns both runs' parameters and the last step's
+    embedding gradients (their rows must be the union of every rank's rows, as gloo's).
+    """
+    from worker import Worker
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return SparseClickModel()
+
+    def train(ddp: DDP) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        for step in range(steps):
+            opt.zero_grad()
+            _sparse_loss(ddp, rank, step).backward()
+            grads = [ddp.module.emb.weight.grad.clone(), ddp.module.emb2.weight.grad.clone()]
+            opt.step()
+        return [p.detach().clone() for p in ddp.module.parameters()], grads
+
+    out: dict[str, Any] = {}
+    out["expected"], out["expected_grads"] = train(DDP(model()))
+    if how == "backend":
+        os.environ["OMNIREDUCE_ADDRESS"] = address
+        group = dist.new_group(backend="omnireduce")
+        out["got"], out["grads"] = train(DDP(model(), process_group=group))
+        return out
+    addresses = address.split(",") if how == "sharded" else address
+    with Worker(addresses, rank=rank, world_size=world, job=f"sparse-ddp-{how}-{world}", timeout=30) as w:
+        ours = DDP(model())
+        state = OmniReduceState(w)
+        ours.register_comm_hook(state, omnireduce_hook)
+        out["got"], out["grads"] = train(ours)
+        out["paths"] = dict(state.paths)
+    return out
+
+
+def failure_case(rank: int, world: int, address: str) -> dict[str, Any]:
+    """Failed collectives on an omnireduce group: what every rank sees.
+
+    Each entry is what the rank observed: the exception's type and text (None if
+    nothing was raised) and whether the tensor was left as it was.
+    """
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    os.environ["OMNIREDUCE_ADDRESS"] = address
+    os.environ["OMNIREDUCE_TIMEOUT"] = "3"
+    group = dist.new_group(backend="omnireduce")
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Any, t: torch.Tensor | None = None) -> None:
+        before = None if t is None else t.clone()
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the test checks type and text
+            out[name] = (type(e).__name__, isinstance(e, RuntimeError), str(e))
+        if t is not None:
+            out[name + "_unchanged"] = torch.equal(t, before)
+
+    # Ranks disagree on the length: a mismatch, reported to every rank.
+    t = torch.ones(10 + rank)
+    attempt("sync", lambda: dist.all_reduce(t, group=group), t)
+    w = dist.all_reduce(t, group=group, async_op=True)
+    attempt("wait", w.wait, t)
+    out["is_completed"] = w.is_completed()
+    fut = dist.all_reduce(t, group=group, async_op=True).get_future()
+    attempt("future_wait", fut.wait, t)
+    attempt("future_value", fut.value)
+    # A failed collective leaves the group working.
+    ok = torch.ones(4) * (rank + 1)
+    dist.all_reduce(ok, group=group)
+    out["after"] = ok
+    # One rank does not call: the others time out (OMNIREDUCE_TIMEOUT).
+    if rank == 0:
+        attempt("timeout", lambda: dist.all_reduce(torch.ones(3), group=group))
+    dist.barrier()
+    if rank != 0:
+        # Rank 1 catches up on the op rank 0 gave up on, so that their op numbers agree again
+        # (it completes if the aggregator still holds rank 0's part, else it times out too).
+        attempt("catch_up", lambda: group.worker.allreduce(torch.ones(3)))
+    dist.barrier()
+    # DDP: the backward of the step where rank 0 is out of step raises on every rank.
+    for name, use_hook in (("ddp_backend", False), ("ddp_hook", True)):
+        torch.manual_seed(0)
+        ddp = DDP(ClickModel(), process_group=dist.group.WORLD if use_hook else group)
+        state = OmniReduceState(group.worker)
+        if use_hook:
+            ddp.register_comm_hook(state, omnireduce_hook)
+        errors = []
+        for step in range(4):
+            if step == 2 and rank == 0:
+                # From the third step on (DDP has rebuilt its buckets), rank 0 sends one element short.
+                if use_hook:
+                    state.worker = ShortAt(state.worker, at=0)
+                else:
+                    group.worker = ShortAt(group.worker, at=0)
+            try:
+                _loss(ddp, rank, step).backward()
+            except RuntimeError as e:
+                errors.append((step, str(e)))
+                break
+        out[name] = errors
+        if isinstance(group.worker, ShortAt):
+            group.worker = group.worker._worker
+        dist.barrier()
+    return out
+
+
+def collectives_case(rank: int, world: int, address: str) -> dict[str, Any]:
+    """The same collectives on gloo (the default group) and on omnireduce groups, for comparison.
+
+    Returns {name: (gloo's result, omnireduce's result)} plus "groups": what the
+    subgroups saw. ``OMNIREDUCE_JOB`` is set, as a launcher would, so the subgroups
+    must derive jobs of their own from it.
+    """
+    os.environ["OMNIREDUCE_ADDRESS"] = address
+    os.environ["OMNIREDUCE_JOB"] = "collectives"
+    ours = dist.new_group(backend="omnireduce")
+    g = torch.Generator().manual_seed(rank)
+    out: dict[str, Any] = {}
+
+    def both(name: str, make: Any, call: Any) -> None:
+        results = []
+        for group in (dist.group.WORLD, ours):
+            t = make()
+            call(t, group)
+            results.append(t)
+        out[name] = tuple(results)
+
+    ints = {torch.int32: 2**31 - 5, torch.int64: 2**62, torch.int16: 2**15 - 3, torch.int8: 120, torch.uint8: 250}
+    for dtype, high in ints.items():
+        # Large values: int32/int8/uint8 sums wrap around, as gloo's do; int64 is beyond 2**53.
+        base = torch.randint(0, high, (1000,), generator=g, dtype=torch.int64).to(dtype)
+        base[::7] = 0
+        if dtype == torch.int16:
+            # gloo refuses int16: compare with torch's own addition of every rank's tensor.
+            gathered = [torch.zeros(len(base), dtype=torch.int32) for _ in range(world)]
+            dist.all_gather(gathered, base.to(torch.int32))
+            t = base.clone()
+            dist.all_reduce(t, group=ours)
+            out["sum_int16"] = (sum(x.to(torch.int16) for x in gathered), t)
+            continue
+        both(f"sum_{dtype}", lambda base=base: base.clone(), lambda t, grp: dist.all_reduce(t, group=grp))
+    floats = torch.randn(3, 5, generator=g)
+    for op in ("MIN", "MAX", "PRODUCT"):
+        both(f"{op}_float", lambda: floats.clone(), lambda t, grp, op=op: dist.all_reduce(t, getattr(dist.ReduceOp, op),
+                                                                                          group=grp))
+    both("MAX_int64", lambda: torch.tensor([rank, -rank, 2**40 * rank]),
+         lambda t, grp: dist.all_reduce(t, dist.ReduceOp.MAX, group=grp))
+    both("BOR_uint8", lambda: torch.tensor([1 << rank, 3], dtype=torch.uint8),
+         lambda t, grp: dist.all_reduce(t, dist.ReduceOp.BOR, group=grp))
+    both("sum_0dim", lambda: torch.tensor(rank + 0.5), lambda t, grp: dist.all_reduce(t, group=grp))
+    both("sum_empty", lambda: torch.empty(0, 4), lambda t, grp: dist.all_reduce(t, group=grp))
+    both("sum_noncontiguous", lambda: torch.arange(12.0).reshape(3, 4).t() * (rank + 1),
+         lambda t, grp: dist.all_reduce(t, group=grp))
+    sparse = torch.sparse_coo_tensor(torch.randint(0, 50, (1, 20), generator=g), torch.randn(20, 3, generator=g),
+                                     (50, 3))
+    both("sum_sparse", lambda: sparse.clone(), lambda t, grp: dist.all_reduce(t, group=grp))
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
+                  torch.uint8, torch.bool, torch.complex64):
+        src = (torch.randn(7, generator=g) * 100).to(dtype) if dtype != torch.bool else torch.rand(7, generator=g) > .5
+        # gloo refuses bool and complex: its reference moves their bytes (as uint8) instead.
+        as_gloo = (lambda t: t.view(torch.uint8)) if dtype in (torch.bool, torch.complex64) else (lambda t: t)
+        results = []
+        for grp in (dist.group.WORLD, ours):
+            t = src.clone()
+            dist.broadcast(as_gloo(t) if grp is dist.group.WORLD else t, src=world - 1, group=grp)
+            results.append(t)
+        out[f"broadcast_{dtype}"] = tuple(results)
+        gathered = []
+        for grp in (dist.group.WORLD, ours):
+            outs = [torch.zeros_like(src) for _ in range(world)]
+            if grp is dist.group.WORLD:
+                dist.all_gather([as_gloo(o) for o in outs], as_gloo(src), group=grp)
+            else:
+                dist.all_gather(outs, src, group=grp)
+            gathered.append(outs)
+        out[f"all_gather_{dtype}"] = tuple(gathered)
+    both("broadcast_empty_int64", lambda: torch.empty(0, dtype=torch.int64),
+         lambda t, grp: dist.broadcast(t, src=0, group=grp))
+
+    # Groups: each its own job, even with OMNIREDUCE_JOB set; tearing one down leaves the others.
+    groups: dict[str, Any] = {"world_name": ours.group_name}
+    pair = dist.new_group([0, 1], backend="omnireduce")
+    sub, _ = dist.new_subgroups(group_size=2 if world % 2 == 0 else 1, backend="omnireduce")
+    if pair is not None and rank in (0, 1):
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t, group=pair)
+        groups["pair"] = (t, pair.worker.job, dist.get_world_size(pair))
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, group=sub)
+    groups["sub"] = (t, sub.worker.job, dist.get_world_size(sub))
+    if pair is not None and rank in (0, 1):
+        dist.destroy_process_group(pair)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=ours)
+    groups["after_destroy"] = t
+    groups["jobs"] = (ours.worker.job, sub.worker.job)
+    out["groups"] = groups
+    return out

@@ -4,14 +4,46 @@
     with Worker("tcp://127.0.0.1:5555", rank=0, world_size=2, job="demo") as w:
         y = w.allreduce(x)
 
-Several aggregator shards: ``Worker(["tcp://a:5555", "tcp://b:5555"], ...)`` (or a
+A sparse COO tensor, or :class:`SparseRows`, is summed row by row (its rows are
+the blocks). Several aggregator shards: ``Worker(["tcp://a:5555", "tcp://b:5555"], ...)`` (or a
 comma-separated ``OMNIREDUCE_ADDRESS``) returns a :class:`ShardedWorker`. Every
 rank serving one shard itself, with no aggregator to run: :class:`ColocatedWorker`.
 """
 
-from worker.client import Worker
-from worker.colocated import ColocatedWorker
-from worker.sharded import ShardedWorker
-from worker.stats import OpStats, Stats
+from __future__ import annotations
 
-__all__ = ["Worker", "ShardedWorker", "ColocatedWorker", "Stats", "OpStats"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.client import Worker
+    from worker.colocated import ColocatedWorker
+    from worker.rows import SparseRows
+    from worker.sharded import ShardedWorker
+    from worker.stats import OpStats, Stats
+
+__all__ = ["Worker", "ShardedWorker", "ColocatedWorker", "SparseRows", "Stats", "OpStats"]
+
+# Loaded on first use: `import worker` (and torch's entry point, worker.autoload)
+# must stay cheap; the client pulls in ZeroMQ and Numba, co-located workers the aggregator.
+_WHERE = {
+    "Worker": "worker.client",
+    "ShardedWorker": "worker.sharded",
+    "ColocatedWorker": "worker.colocated",
+    "SparseRows": "worker.rows",
+    "Stats": "worker.stats",
+    "OpStats": "worker.stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'worker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,50 +1,202 @@
 """A ``torch.distributed`` backend named "omnireduce" whose collectives run through the aggregator.
 
-``import worker.backend`` registers it; then::
+Installing the package registers it through torch's ``torch.backends`` entry
+point (:mod:`worker.autoload`), so an unchanged script (or torchrun's
+``--dist-backend omnireduce``) can say::
 
     dist.init_process_group("omnireduce")   # rank, world from torchrun; aggregator from OMNIREDUCE_ADDRESS
     dist.all_reduce(t)                       # sparse sum through the aggregator
     DistributedDataParallel(model)           # works on it with no gloo at all
 
-``all_reduce`` (SUM, AVG) of float tensors goes through the sparse protocol.
-``broadcast``, ``all_gather`` and ``barrier`` are built on the same sum: a tensor's
-bytes travel as small integers (exact in float16), zero on every rank but the
-owner, so the sum reproduces them bit for bit, for any dtype. Other collectives
-raise an error naming themselves.
+``all_reduce`` SUM and AVG of float and integer tensors, dense or sparse COO,
+go through the sparse protocol (a sparse tensor's rows are its blocks, see
+:mod:`worker.rows`). MIN, MAX, PRODUCT and the bitwise ops gather every rank's
+tensor and reduce locally. ``broadcast``, ``all_gather`` and ``barrier`` are built
+on the same sum: a tensor's bytes travel as uint8, zero on every rank but the
+owner, so the sum reproduces them bit for bit, for any dtype. Other collectives raise an error naming themselves.
+
+Every failure of a collective (a mismatch between ranks, a timeout, a lost
+peer, a refusal) fails its ``Work``: ``wait()``, the future's ``wait()`` and
+``value()``, and so ``dist.all_reduce`` and DDP's backward raise
+:class:`CollectiveError` on every rank, and the tensor is left as it was.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from omnireduce import config
-from omnireduce.errors import ConfigError, OmniReduceError
+from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
+from worker.autoload import BACKEND_NAME
 from worker.client import Worker
+from worker.futures import Settable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND_NAME", "OmniReduceProcessGroup", "create_process_group"]
+__all__ = ["BACKEND_NAME", "CollectiveError", "OmniReduceProcessGroup", "OmniReduceWork", "create_process_group",
+           "register"]
 
-BACKEND_NAME = "omnireduce"
 _JOB_KEY = "omnireduce/job"
 _FLOAT = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# Summed exactly (in int64 by the aggregator), wrapping around as the type's own sum does.
+_INT = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+# Reductions that are not sums: every rank's tensor is gathered and reduced here.
+_GATHERED: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
+    dist.ReduceOp.MIN: lambda s: s.amin(0),
+    dist.ReduceOp.MAX: lambda s: s.amax(0),
+    dist.ReduceOp.PRODUCT: lambda s: s.prod(0, dtype=s.dtype),
+    dist.ReduceOp.BAND: lambda s: _fold(s, torch.bitwise_and),
+    dist.ReduceOp.BOR: lambda s: _fold(s, torch.bitwise_or),
+    dist.ReduceOp.BXOR: lambda s: _fold(s, torch.bitwise_xor),
+}
 
 
-def _bytes_as_halves(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as float16 values 0..255, exact through a float sum."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.float16)
+def _fold(stacked: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    out = stacked[0].clone()
+    for row in stacked[1:]:
+        out = fn(out, row)
+    return out
 
 
-def _halves_to(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return values.to(torch.uint8).view(like.dtype).view(like.shape)
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a copy where ``t`` is not contiguous)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def _from_bytes(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_bytes_of`: ``values`` as a tensor of ``like``'s dtype and shape."""
+    if like.numel() == 0:
+        return torch.empty_like(like)
+    return values.view(like.dtype).view(like.shape)
+
+
+def _describe(tensors: list[torch.Tensor]) -> str:
+    return ", ".join(f"{'sparse ' if t.is_sparse else ''}{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                     for t in tensors)
+
+
+def _op_type(opts: Any, default: Any = dist.ReduceOp.SUM) -> Any:
+    op = getattr(opts, "reduceOp", default) if opts is not None else default
+    # Options hold a ReduceOp wrapping a RedOpType; only the latter compares reliably.
+    return getattr(op, "op", op)
+
+
+class OmniReduceWork(dist._Work):
+    """A collective in flight: completes when every part of it has, fails when any part fails.
+
+    ``wait()`` raises :class:`CollectiveError` if the collective failed, as torch's
+    own backends' works do; ``get_future()`` is completed with the collective's
+    result or fails with the same error (a ``RuntimeError`` naming it: see
+    :mod:`worker.futures`).
+
+    Args:
+        parts: (worker future, finish) pairs: ``finish(result)`` writes a part's
+            result where it belongs; it runs only once every part succeeded, so a
+            failed collective changes no tensor.
+        value: the future's value once every part finished.
+        what: names the collective in error messages.
+    """
+
+    def __init__(self, parts: list[tuple[ConcurrentFuture, Callable[[Any], None]]], value: Any, what: str) -> None:
+        super().__init__()
+        self._result = Settable()
+        self._what = what
+        self._value = value
+        self._parts = parts
+        self._results: list[Any] = [None] * len(parts)
+        self._left = len(parts)
+        self._error: CollectiveError | None = None
+        self._lock = threading.Lock()
+        if not parts:
+            self._settle()
+        for i, (src, _) in enumerate(parts):
+            src.add_done_callback(lambda s, i=i: self._on_part(i, s))
+
+    def _on_part(self, i: int, src: ConcurrentFuture) -> None:
+        try:
+            result = src.result()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the Work
+            with self._lock:
+                first = self._error is None
+                if first:
+                    self._error = CollectiveError(f"omnireduce {self._what} failed: {type(e).__name__}: {e}")
+                    self._error.__cause__ = e
+                self._left -= 1
+                last = self._left == 0
+            if first:
+                logger.warning("omnireduce %s failed: %s: %s", self._what, type(e).__name__, e)
+            if last:
+                self._settle()
+            return
+        with self._lock:
+            self._results[i] = result
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._settle()
+
+    def _settle(self) -> None:
+        # Every part has finished: no worker writes into its tensors any more.
+        if self._error is None:
+            try:
+                for (_, finish), result in zip(self._parts, self._results):
+                    finish(result)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the Work
+                logger.exception("omnireduce %s: writing the result failed", self._what)
+                self._error = CollectiveError(f"omnireduce {self._what} failed: {type(e).__name__}: {e}")
+                self._error.__cause__ = e
+        self._parts, self._results = [], []
+        if self._error is not None:
+            self._result.fail(self._error)
+        else:
+            self._result.set(self._value)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Waits for the collective; raises :class:`CollectiveError` if it failed.
+
+        Args:
+            timeout: ignored: the worker's own timeout (``OMNIREDUCE_TIMEOUT``) bounds every op.
+        """
+        try:
+            self._result.future.wait()
+        except Exception:
+            if self._error is None:
+                raise
+            raise self._error from None
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._result.future
+
+    def is_completed(self) -> bool:
+        return self._result.future.done()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> Any:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        value = self._result.future.value()
+        return value if isinstance(value, list) else [value]
+
+    def synchronize(self) -> None:
+        pass  # CPU only: nothing to order on a device stream
 
 
 class OmniReduceProcessGroup(dist.ProcessGroup):
@@ -68,6 +220,9 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         self._world = world_size
         self.worker = worker
         self.samples: float | None = None
+        # torch keeps a group's name in its backends; this group is its own backend.
+        self._name = ""
+        self._desc = ""
 
     def set_samples(self, samples: float | None) -> None:
         """Sets :attr:`samples` (None: plain averages again)."""
@@ -82,95 +237,144 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def rank(self) -> int:
         return self._rank
 
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
     def shutdown(self) -> None:
+        self.worker.close()
+
+    def abort(self) -> None:
         self.worker.close()
 
     def __repr__(self) -> str:
         return f"OmniReduceProcessGroup(rank={self._rank}, world={self._world}, job={self.worker.job!r})"
 
-    def _work(self, parts: list[tuple[ConcurrentFuture, Any]], value: Any, what: str) -> Any:
-        """A Work completing once every (future, finish) part has finished."""
-        fut: torch.futures.Future = torch.futures.Future()
-        left = [len(parts)]
-        failed: list[BaseException] = []
+    def _work(self, parts: list[tuple[ConcurrentFuture, Callable[[Any], None]]], value: Any, what: str) -> Any:
+        return OmniReduceWork(parts, value, what)
 
-        def done(src: ConcurrentFuture, finish: Any) -> None:
-            try:
-                finish(src.result())
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the Work
-                logger.error("omnireduce %s failed: %s", what, e)
-                failed.append(e)
-            left[0] -= 1
-            if left[0] == 0:
-                if failed:
-                    e = failed[0]
-                    fut.set_exception(RuntimeError(f"omnireduce {what} failed: {type(e).__name__}: {e}"))
-                else:
-                    fut.set_result(value)
+    def _submit(self, x: Any, what: str, **options: Any) -> ConcurrentFuture:
+        """The worker's future of ``x``'s sum; a refusal becomes a failed future, not an exception,
+        so that the caller sees it where it sees every other failure (in the Work)."""
+        try:
+            return self.worker.allreduce_async(x, **options)
+        except OmniReduceError as e:
+            failed: ConcurrentFuture = ConcurrentFuture()
+            failed.set_exception(e)
+            return failed
 
-        if not parts:
-            fut.set_result(value)
-        for src, finish in parts:
-            src.add_done_callback(lambda s, f=finish: done(s, f))
-        return _create_work_from_future(fut)
+    # all_reduce
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        # Options hold a ReduceOp wrapping a RedOpType; only the latter compares reliably.
-        op = getattr(op, "op", op)
+        op = _op_type(opts)
+        what = f"all_reduce ({op.name if hasattr(op, 'name') else op}) of {_describe(tensors)}"
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise CollectiveError(f"the omnireduce backend supports CPU tensors, not {t.device} ({what})")
+        if op in _GATHERED:
+            return self._work([self._gathered_reduce(t, op, what) for t in tensors], tensors, what)
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise OmniReduceError(f"the omnireduce backend's all_reduce supports SUM and AVG, not {op}")
+            raise CollectiveError(f"the omnireduce backend's all_reduce does not support {op}")
         parts = []
         for t in tensors:
-            if t.dtype not in _FLOAT:
-                raise OmniReduceError(f"the omnireduce backend's all_reduce supports float tensors, not {t.dtype}")
-            if t.device.type != "cpu":
-                raise OmniReduceError(f"the omnireduce backend's all_reduce supports CPU tensors, not {t.device}")
-            # A weighted AVG is divided by the total weight in the aggregator.
-            weight = self.samples if op == dist.ReduceOp.AVG else None
-            average = op == dist.ReduceOp.AVG and weight is None
+            if t.dtype not in _FLOAT and t.dtype not in _INT:
+                raise CollectiveError(f"the omnireduce backend's all_reduce does not support {t.dtype} ({what})")
+            if op == dist.ReduceOp.AVG and t.dtype not in _FLOAT:
+                raise CollectiveError(f"the omnireduce backend's all_reduce AVG needs a float tensor, not {t.dtype}")
+            parts.append(self._sum(t, op == dist.ReduceOp.AVG, what))
+        return self._work(parts, tensors, what)
 
-            def finish(out: torch.Tensor, t: torch.Tensor = t, average: bool = average) -> None:
-                t.copy_(out.view(t.shape))
-                if average:
-                    t.div_(self._world)
+    def _sum(self, t: torch.Tensor, average: bool, what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
+        # A weighted AVG is divided by the total weight in the aggregator.
+        weight = self.samples if average else None
+        divide = average and weight is None
+        if t.is_sparse:
+            def finish_sparse(out: torch.Tensor) -> None:
+                if divide:
+                    out = torch.sparse_coo_tensor(out.indices(), out.values() / self._world, out.shape,
+                                                  is_coalesced=True)
+                t.copy_(out)
 
-            parts.append((self.worker.allreduce_async(t, weight=weight), finish))
-        return self._work(parts, tensors, "all_reduce")
+            return self._submit(t, what, weight=weight), finish_sparse
+
+        def finish(out: torch.Tensor) -> None:
+            out = out.view(t.shape)
+            if divide:
+                out = out / self._world
+            t.copy_(out)
+
+        return self._submit(t, what, weight=weight), finish
+
+    def _gathered_reduce(self, t: torch.Tensor, op: Any, what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
+        if t.is_sparse:
+            failed: ConcurrentFuture = ConcurrentFuture()
+            failed.set_exception(ConfigError(f"{what}: only SUM and AVG take sparse tensors"))
+            return failed, lambda _out: None
+        src, n = self._gather_values(t)
+        reduce = _GATHERED[op]
+
+        def finish(out: torch.Tensor) -> None:
+            stacked = torch.stack([_from_bytes(out[r * n : (r + 1) * n], t) for r in range(self._world)])
+            t.copy_(reduce(stacked))
+
+        return src, finish
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
 
+    # Collectives built on a sum of bytes.
+
+    def _gather_values(self, t: torch.Tensor) -> tuple[ConcurrentFuture, int]:
+        """Starts the sum that gathers every rank's bytes of ``t``; returns it and the bytes per rank."""
+        mine = _bytes_of(t)
+        n = mine.numel()
+        values = torch.zeros(n * self._world, dtype=torch.uint8)
+        values[self._rank * n : (self._rank + 1) * n] = mine
+        return self._submit(values, "all_gather"), n
+
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
+        what = f"broadcast from rank {root} of {_describe(tensors)}"
         parts = []
         for t in tensors:
-            values = _bytes_as_halves(t)
-            if self._rank != root:
-                values.zero_()
+            values = _bytes_of(t)
+            values = values.clone() if self._rank == root else torch.zeros_like(values)
 
             def finish(out: torch.Tensor, t: torch.Tensor = t) -> None:
-                t.copy_(_halves_to(out, t))
+                t.copy_(_from_bytes(out, t))
 
-            parts.append((self.worker.allreduce_async(values), finish))
-        return self._work(parts, tensors, f"broadcast from rank {root}")
+            parts.append((self._submit(values, what), finish))
+        return self._work(parts, tensors, what)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        what = f"all_gather of {_describe(input_tensors)}"
         parts = []
         for outs, t in zip(output_tensors, input_tensors, strict=True):
             if len(outs) != self._world:
-                raise OmniReduceError(f"all_gather needs {self._world} output tensors, got {len(outs)}")
-            mine = _bytes_as_halves(t)
-            n = mine.numel()
-            values = torch.zeros(n * self._world, dtype=torch.float16)
-            values[self._rank * n : (self._rank + 1) * n] = mine
+                raise CollectiveError(f"all_gather needs {self._world} output tensors, got {len(outs)}")
+            src, n = self._gather_values(t)
 
             def finish(out: torch.Tensor, outs: list[torch.Tensor] = outs, n: int = n) -> None:
                 for r, o in enumerate(outs):
-                    o.copy_(_halves_to(out[r * n : (r + 1) * n], o))
+                    o.copy_(_from_bytes(out[r * n : (r + 1) * n], o))
 
-            parts.append((self.worker.allreduce_async(values), finish))
-        return self._work(parts, output_tensors, "all_gather")
+            parts.append((src, finish))
+        return self._work(parts, output_tensors, what)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        return self.allgather([list(o.view(self._world, *i.shape).unbind(0)) for o, i in zip(outputs, inputs)],
+                              inputs, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         outs = list(output.view(self._world, *input.shape).unbind(0))
@@ -183,12 +387,13 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             if out.item() != self._world:
                 raise OmniReduceError(f"barrier counted {out.item()} ranks, expected {self._world}")
 
-        return self._work([(self.worker.allreduce_async(one), finish)], [one], "barrier")
+        return self._work([(self._submit(one, "barrier"), finish)], [one], "barrier")
 
     def _unsupported(self, name: str) -> Any:
-        raise OmniReduceError(
-            f"the omnireduce backend does not support {name}; it supports all_reduce (SUM, AVG of float "
-            "tensors), broadcast, all_gather and barrier"
+        raise CollectiveError(
+            f"the omnireduce backend does not support {name}; it supports all_reduce (SUM and AVG of float, "
+            "integer and sparse tensors; MIN, MAX, PRODUCT, BAND, BOR, BXOR of dense ones), broadcast, all_gather "
+            "and barrier"
         )
 
     def reduce(self, *args: Any, **kwargs: Any) -> Any:
@@ -219,23 +424,45 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         return self._unsupported("recv")
 
 
-def create_process_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> OmniReduceProcessGroup:
-    """The backend's constructor, called by ``dist.init_process_group("omnireduce")``.
+def _job_of(store: dist.Store, rank: int, group_id: str | None) -> str:
+    """The job id of a process group.
 
-    The job id comes from ``OMNIREDUCE_JOB`` if set; otherwise rank 0 makes a
-    unique one and shares it through the group's store, so each process group
-    (including subgroups, which get their own store prefix) is its own job.
+    ``OMNIREDUCE_JOB`` names the default group's job; another group's job is that
+    name and the group's, so that every group is a job of its own. Without it
+    rank 0 makes a unique id and shares it through the group's store (each group
+    has its own store prefix).
     """
     job = config.resolve(None, config.OMNIREDUCE_JOB, "", str)
-    if not job:
-        if rank == 0:
-            store.set(_JOB_KEY, f"torch-{uuid.uuid4().hex[:12]}")
-        job = store.get(_JOB_KEY).decode()
+    if job:
+        # The default group is the one made while torch has none yet.
+        return job if not dist.is_initialized() or not group_id else f"{job}.{group_id}"[:200]
+    if rank == 0:
+        store.set(_JOB_KEY, f"torch-{uuid.uuid4().hex[:12]}")
+    return store.get(_JOB_KEY).decode()
+
+
+def create_process_group(opts: Any, pg_options: Any = None) -> OmniReduceProcessGroup:
+    """The backend's constructor, called by ``dist.init_process_group("omnireduce")`` and ``dist.new_group``.
+
+    Args:
+        opts: torch's ``_DistributedBackendOptions`` (store, group_rank, group_size,
+            timeout, group_id).
+        pg_options: backend options (unused).
+    """
+    rank, world = opts.group_rank, opts.group_size
+    job = _job_of(opts.store, rank, getattr(opts, "group_id", None))
     try:
-        worker = Worker(rank=rank, world_size=world_size, job=job)
+        worker = Worker(rank=rank, world_size=world, job=job)
     except ConfigError as e:
         raise ConfigError(f"cannot create the omnireduce process group: {e}") from e
-    return OmniReduceProcessGroup(rank, world_size, worker)
+    return OmniReduceProcessGroup(rank, world, worker)
 
 
-dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu"])
+def register() -> None:
+    """Registers the "omnireduce" backend with torch.distributed (once; later calls do nothing)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cpu"])
+
+
+register()

@@ -62,6 +62,7 @@ from worker.op import WorkerOp, check_destination
 from worker.stats import Stats
 from worker.auto import MODES, PathChooser
 from worker.cuda import CudaOpData, is_cuda_tensor
+from worker.rows import RowsOpData, SparseRows, is_sparse_torch, rows_op_data
 from worker.tensors import shares_memory, to_flat
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class _Submission:
     future: Future
     layout: Layout
     inplace: bool = False
-    data: CudaOpData | None = None
+    data: CudaOpData | RowsOpData | None = None
     out: np.ndarray | None = None
     weight: float | None = None
     compute: float | None = None
@@ -296,7 +297,8 @@ class Worker:
         ``x`` is read until the future completes: do not modify it before then.
 
         Args:
-            x: a NumPy array, a torch tensor (CPU or CUDA) or a CUDA array (numba,
+            x: a NumPy array, a torch tensor (CPU or CUDA; a sparse COO tensor sums
+                its rows: see :mod:`worker.rows`), :class:`worker.rows.SparseRows`, or a CUDA array (numba,
                 ``__cuda_array_interface__``), any shape, float32/64, float16 or bfloat16.
                 Of a CUDA tensor only the nonzero blocks are copied to the host.
             inplace: write the sum into ``x`` itself and return ``x`` (CPU tensors only);
@@ -326,8 +328,15 @@ class Worker:
                                   or not math.isfinite(v) or v < 0 or (positive and v == 0)):
                 raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
                                   f"got {v!r}")
-        data: CudaOpData | None = None
-        if is_cuda_tensor(x):
+        data: CudaOpData | RowsOpData | None = None
+        block_size = self.block_size
+        if isinstance(x, SparseRows) or is_sparse_torch(x):
+            if inplace or out is not None:
+                raise ConfigError("an allreduce of sparse rows returns new rows: inplace and out are not supported")
+            data = rows_op_data(x)
+            flat, dtype, length, block_size = None, data.dtype, data.length, data.block_size
+            restore = data.restore
+        elif is_cuda_tensor(x):
             if inplace or out is not None:
                 raise ConfigError("an in-place allreduce or out= of a CUDA tensor is not supported")
             data = CudaOpData(x, self.block_size)
@@ -341,10 +350,13 @@ class Worker:
                 raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
             if inplace:
                 restore = lambda _out: x  # noqa: E731
+        if weight is not None and dtype.is_integer:
+            raise ConfigError(f"weight is not supported for {dtype.name.lower()} tensors: an integer allreduce is an "
+                              "exact sum, and a weighted mean has no integer result")
         # Everything that can fail happens before the op takes its number: a number
         # taken by an op that is never sent would pair this rank's later ops with
         # the other ranks' earlier ones.
-        layout = Layout(length, self.block_size, self.message_blocks, self.streams)
+        layout = Layout(length, block_size, self.message_blocks, self.streams)
         dense, auto_key = False, None
         if data is None and self.mode == "dense":
             dense = True

@@ -30,7 +30,7 @@ import numpy as np
 
 from omnireduce import blocks
 from omnireduce.dtypes import DType
-from omnireduce.errors import OmniReduceError, OpError, ProtocolError
+from omnireduce.errors import ConfigError, OmniReduceError, OpError, ProtocolError
 from omnireduce.layout import Layout
 from worker.tensors import is_torch
 
@@ -132,7 +132,8 @@ class CudaOpData:
 
     Args:
         x: a contiguous CUDA tensor (torch, numba, or ``__cuda_array_interface__``),
-            float32, float64, float16 or bfloat16; not modified (threshold 0).
+            float32, float64, float16 or bfloat16; not modified (threshold 0). Integer
+            tensors are refused: their exact sums run on the CPU path only.
         block_size: elements per block.
         threshold: elements with ``|x| <= threshold`` count as zero; a positive one
             zeroes the skipped blocks of ``x`` in place (as OmniReduce does).
@@ -143,6 +144,11 @@ class CudaOpData:
     """
 
     def __init__(self, x: Any, block_size: int, threshold: float = 0.0, chunk_bytes: int = CHUNK_BYTES) -> None:
+        if is_torch(x) and not x.is_floating_point():
+            # Checked here because the device kernels see 16-bit integers as bfloat16
+            # bits: an int16 tensor would otherwise be summed as bfloat16.
+            raise ConfigError(f"allreduce of a CUDA {x.dtype} tensor is not supported: CUDA tensors may be float32, "
+                              "float64, float16 or bfloat16 (integer tensors are summed on the CPU: move it there)")
         from numba import cuda
 
         from omnireduce.kernels import cuda as kc

@@ -21,9 +21,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from omnireduce.errors import ConfigError, OmniReduceError
+from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.auto import MODES, PathChooser
 from worker.client import Worker
+from worker.futures import Settable
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +101,10 @@ def complete_torch_future(
 ) -> torch.futures.Future:
     """A torch future completed with ``target`` once ``source`` (an allreduce) is done.
 
-    The sum is copied into ``target`` in place. A failure completes the torch
-    future with an error whose message names what failed (the type is lost on
-    the way through torch, so the message carries the cause).
+    The sum is copied into ``target`` in place; a sparse ``target``'s sum (which has
+    rows of its own) is the future's value instead. A failure completes the torch
+    future with a :class:`omnireduce.errors.CollectiveError` whose message names
+    what failed and its cause (DDP re-raises it from ``backward()``).
 
     Args:
         source: the worker's future of the summed tensor.
@@ -110,26 +112,35 @@ def complete_torch_future(
         what: names the collective in error messages, e.g. "DDP bucket 3".
         state: records the error, if given.
     """
-    fut: torch.futures.Future = torch.futures.Future()
+    result = Settable()
 
     def done(src: ConcurrentFuture) -> None:
         try:
             out = src.result()
-            if out.numel() != target.numel():
-                # DDP does not check the result's size; a wrong one would corrupt silently.
-                raise OmniReduceError(f"result has {out.numel()} elements, expected {target.numel()}")
-            if out is not target:
-                target.copy_(out.view(target.shape))
+            if target.is_sparse:
+                # A sparse sum has its own rows: it replaces the bucket's tensor.
+                if out.shape != target.shape:
+                    raise OmniReduceError(f"result has shape {tuple(out.shape)}, expected {tuple(target.shape)}")
+                value = out
+            else:
+                if out.numel() != target.numel():
+                    # DDP does not check the result's size; a wrong one would corrupt silently.
+                    raise OmniReduceError(f"result has {out.numel()} elements, expected {target.numel()}")
+                if out is not target:
+                    target.copy_(out.view(target.shape))
+                value = target
         except BaseException as e:  # noqa: BLE001 - handed to the waiting backward()
             if state is not None:
                 state.record(e)
             logger.error("omnireduce %s failed: %s", what, e)
-            fut.set_exception(RuntimeError(f"omnireduce {what} failed: {type(e).__name__}: {e}"))
+            error = CollectiveError(f"omnireduce {what} failed: {type(e).__name__}: {e}")
+            error.__cause__ = e
+            result.fail(error)
             return
-        fut.set_result(target)
+        result.set(value)
 
     source.add_done_callback(done)
-    return fut
+    return result.future
 
 
 def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -143,6 +154,8 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         A future completed with ``bucket.buffer()`` once the sum is in it.
     """
     buf = bucket.buffer()
+    if buf.is_sparse:
+        return _sparse_bucket(state, bucket.index(), buf)
     what = f"allreduce of DDP bucket {bucket.index()} ({buf.numel()} x {buf.dtype})"
     key = (bucket.index(), buf.numel(), buf.dtype)
     if state.error is not None:
@@ -150,9 +163,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             # The other ranks wait in the agreement below: vote sparse, so that they go on to
             # omnireduce (which fails within its timeout) instead of blocking in gloo.
             dist.all_reduce(torch.zeros(1, dtype=torch.int32), op=dist.ReduceOp.MIN, group=state.dense_group)
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_exception(RuntimeError(f"omnireduce {what} skipped after an earlier failure: {state.error}"))
-        return fut
+        return _failed(f"omnireduce {what} skipped after an earlier failure: {state.error}")
     path = state.mode
     if state._chooser is not None:
         path = state._chooser.choose(key, buf.numel(), buf.element_size())
@@ -192,6 +203,33 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         # recorded before DDP can start the next step (and choose again).
         source.add_done_callback(measured)
     return complete_torch_future(source, buf, what, state)
+
+
+def _failed(message: str) -> torch.futures.Future[torch.Tensor]:
+    return Settable.failed(CollectiveError(message))
+
+
+def _sparse_bucket(state: OmniReduceState, index: int, grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A sparse gradient (DDP gives each its own bucket): its rows are the blocks, whatever the mode.
+
+    The sum is a new sparse tensor (the union of every rank's rows), which DDP
+    takes as the parameter's gradient.
+    """
+    what = f"allreduce of DDP bucket {index} (sparse {tuple(grad.shape)} {grad.dtype}, {grad._nnz()} rows)"
+    if state.error is not None:
+        return _failed(f"omnireduce {what} skipped after an earlier failure: {state.error}")
+    weight = state.samples
+    if weight is None and state.average and state.worker.world_size > 1:
+        # A new tensor: the gradient DDP gave is not changed.
+        grad = grad / state.worker.world_size
+    try:
+        source = state.worker.allreduce_async(grad, weight=weight)
+    except BaseException as e:
+        state.record(e)
+        raise
+    state.buckets += 1
+    state.paths["sparse"] += 1
+    return complete_torch_future(source, grad, what, state)
 
 
 def _dense_allreduce(state: OmniReduceState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

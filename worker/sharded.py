@@ -36,6 +36,7 @@ from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClose
 from worker.client import Worker
 from worker.cuda import is_cuda_tensor
 from worker.op import check_destination, lazy_zeros, pages_written
+from worker.rows import SparseRows, is_sparse_torch, rows_op_data
 from worker.stats import OpStats, Stats, merge_parallel
 from worker.tensors import is_torch, shares_memory, to_flat
 
@@ -205,9 +206,12 @@ class ShardedWorker(Worker):
             ConfigError: ``x`` is not supported, or ``inplace``/``out`` do not fit it.
             WorkerClosedError: the worker is closed, or a shard refused an earlier op.
         """
-        if is_cuda_tensor(x):
-            chunks, finish = self._split_cuda(x, inplace, out)
+        if isinstance(x, SparseRows) or is_sparse_torch(x):
+            chunks, finish = self._split_rows(x, inplace, out)
             chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
+        elif is_cuda_tensor(x):
+            chunks, finish = self._split_cuda(x, inplace, out)
+            chunk_kwargs = [{} for _ in chunks]
         else:
             chunks, chunk_kwargs, finish = self._split_host(x, inplace, out)
         fut: Future = Future()
@@ -295,6 +299,22 @@ class ShardedWorker(Worker):
             [{"out": full[lo:hi]} for lo, hi in bounds],
             lambda _results: restore(full).reshape(shape),
         )
+
+    def _split_rows(self, x: Any, inplace: bool, out: Any) -> tuple[list[Any], Any]:
+        # Chunk k is a contiguous range of rows, as a dense tensor's chunk is of blocks
+        # (a row is a block); each shard returns the union of its range's rows.
+        if inplace or out is not None:
+            raise ConfigError("an allreduce of sparse rows returns new rows: inplace and out are not supported")
+        data = rows_op_data(x)
+        rows = data.x
+        bounds = shard_bounds(rows.num_rows, 1, len(self.shards))
+        chunks = [rows.slice_rows(lo, hi) for lo, hi in bounds]
+
+        def finish(results: list[SparseRows]) -> Any:
+            joined = SparseRows.join(results, [lo for lo, _ in bounds], rows.num_rows, rows.shape)
+            return joined if data.sparse_dim is None else joined.to_torch(data.sparse_dim)
+
+        return chunks, finish
 
     def _split_cuda(self, x: Any, inplace: bool, out: Any) -> tuple[list[Any], Any]:
         if not is_torch(x):

@@ -13,6 +13,9 @@ from omnireduce.errors import ConfigError
 
 __all__ = ["to_flat", "shares_memory", "is_torch"]
 
+_NUMPY_TYPES = "float32, float64, float16, int8, uint8, int16, int32 and int64"
+_TORCH_TYPES = "float32, float64, float16, bfloat16, int8, uint8, int16, int32 and int64"
+
 
 def is_torch(x: Any) -> bool:
     """Whether ``x`` is a torch tensor; does not import torch."""
@@ -24,7 +27,9 @@ def to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], Any]]:
     """Flattens a tensor without copying where it is already contiguous.
 
     Args:
-        x: a NumPy array or a CPU torch tensor of float32, float64, float16 or bfloat16.
+        x: a NumPy array or a CPU torch tensor of float32, float64, float16, bfloat16
+            (torch only), int8, uint8, int16, int32 or int64. Integers are summed
+            exactly, wrapping as their own type does.
 
     Returns:
         The flat contiguous array (bfloat16 as uint16 bits), its wire type, and a
@@ -37,9 +42,7 @@ def to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], Any]]:
         try:
             dtype = DType.of_numpy(x.dtype)
         except KeyError:
-            raise ConfigError(
-                f"allreduce supports float32, float64 and float16 arrays, got dtype {x.dtype}"
-            ) from None
+            raise ConfigError(f"allreduce supports {_NUMPY_TYPES} arrays, got dtype {x.dtype}") from None
         shape = x.shape
         return np.ascontiguousarray(x).reshape(-1), dtype, lambda out: out.reshape(shape)
     if is_torch(x):
@@ -57,9 +60,13 @@ def _torch_to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], An
     if t.dtype == torch.bfloat16:
         flat = t.view(torch.int16).numpy().view(np.uint16)
         return flat, DType.BFLOAT16, lambda out: torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).reshape(shape)
-    names = {torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.float16: DType.FLOAT16}
+    names = {
+        torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.float16: DType.FLOAT16,
+        torch.int8: DType.INT8, torch.uint8: DType.UINT8, torch.int16: DType.INT16, torch.int32: DType.INT32,
+        torch.int64: DType.INT64,
+    }
     if t.dtype not in names:
-        raise ConfigError(f"allreduce supports float32, float64, float16 and bfloat16 tensors, got {t.dtype}")
+        raise ConfigError(f"allreduce supports {_TORCH_TYPES} tensors, got {t.dtype}")
     return t.numpy(), names[t.dtype], lambda out: torch.from_numpy(out).reshape(shape)
 
 

@@ -2,7 +2,8 @@
 
 All kernels work on the unsigned-integer view of the data (see
 :mod:`omnireduce.kernels.bits`), so one compiled kernel per element width
-serves every float type, bfloat16 bit patterns included.
+serves every float type, bfloat16 bit patterns included, and the integer types
+(their dtypes are taken as integers here: bfloat16 bits must be uint16).
 
 Payload format (shared with :func:`omnireduce.blocks.gather` and the wire): the
 blocks of ``indices`` back to back, each ``block_size`` elements, except that the
@@ -229,7 +230,7 @@ def add_rows_cpu(acc: np.ndarray, rows: np.ndarray, vals: np.ndarray) -> None:
     0.37 ms).
 
     Args:
-        acc: C-contiguous 2-D float32/float64 array, updated in place.
+        acc: C-contiguous 2-D float32/float64 (or int64: sums wrap) array, updated in place.
         rows: row of ``acc`` for each row of ``vals``; distinct, in range (not checked).
         vals: 2-D array of ``acc``'s dtype, at most as wide as ``acc``.
 
@@ -253,7 +254,7 @@ def _require_numba() -> None:
 def _flat_bits(flat: np.ndarray, what: str) -> np.ndarray:
     if not isinstance(flat, np.ndarray) or flat.ndim != 1 or not flat.flags.c_contiguous:
         raise ConfigError(f"{what} must be a contiguous 1-D NumPy array")
-    return flat.view(bits_info(flat.dtype).uint)
+    return flat.view(bits_info(flat.dtype, integers=True).uint)
 
 
 def payload_length(indices: np.ndarray, length: int, block_size: int) -> int:
@@ -276,18 +277,19 @@ def payload_length(indices: np.ndarray, length: int, block_size: int) -> int:
 
 
 def block_mask_cpu(flat: np.ndarray, block_size: int, threshold: float = 0.0, parallel: bool = True) -> np.ndarray:
-    """Nonzero-block mask of a contiguous 1-D float array with the Numba CPU kernel.
+    """Nonzero-block mask of a contiguous 1-D float or integer array with the Numba CPU kernel.
 
     The parallel kernel splits the blocks over numba's threads; the serial one
     reads them in one thread and stops reading a block at its first nonzero
     chunk of elements either way.
 
     Args:
-        flat: contiguous 1-D array of float16/32/64 (or uint16/int16 bfloat16 bits).
+        flat: contiguous 1-D array of float16/32/64, uint16 (bfloat16 bits), or
+            int8/uint8/int16/int32/int64 (every bit counts: only 0 is zero).
         block_size: elements per block; the last block may be short.
         threshold: elements with ``|x| <= threshold`` count as zero; when it is
             positive, blocks found zero are zeroed in place in ``flat``. NaN and Inf
-            are always nonzero, -0.0 always zero.
+            are always nonzero, -0.0 always zero. Integers take 0 only.
         parallel: use numba's threads; False runs in the calling thread.
 
     Returns:
@@ -298,7 +300,7 @@ def block_mask_cpu(flat: np.ndarray, block_size: int, threshold: float = 0.0, pa
     """
     _require_numba()
     block_size = check_block_size(block_size)
-    info = bits_info(flat.dtype)
+    info = bits_info(flat.dtype, integers=True)
     bits = _flat_bits(flat, "flat")
     thr = threshold_bits(threshold, info)
     out = np.empty(-(-flat.shape[0] // block_size), dtype=np.bool_)

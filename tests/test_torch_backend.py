@@ -1,0 +1,139 @@
+"""The "omnireduce" torch.distributed backend as torch's users rely on it: failures raise on every
+rank, sparse embedding gradients, integer and reduced-op all_reduce, groups, and no import needed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from aggregator import Aggregator  # noqa: E402
+from tests.test_torch import run_procs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def agg():
+    a = Aggregator(timeout=60).start()
+    yield a
+    a.close()
+
+
+def _same_sparse(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.is_sparse and got.is_coalesced()
+    expected = expected.coalesce()
+    # The same rows (the union of every rank's), the same sums within float rounding.
+    torch.testing.assert_close(got.indices(), expected.indices(), rtol=0, atol=0)
+    torch.testing.assert_close(got.values(), expected.values())
+
+
+@pytest.mark.parametrize("how", ["hook", "backend", "sharded"])
+def test_sparse_embeddings_train_under_ddp_as_on_gloo(agg, tmp_path, how: str) -> None:
+    world = 2
+    address = agg.address
+    extra = None
+    if how == "sharded":
+        extra = Aggregator(timeout=60).start()
+        address = f"{agg.address},{extra.address}"
+    try:
+        results = run_procs("sparse_ddp_case", world, tmp_path, address, how)
+    finally:
+        if extra is not None:
+            extra.close()
+    for res in results:
+        torch.testing.assert_close(res["got"], res["expected"])
+        for got, expected in zip(res["grads"], res["expected_grads"]):
+            _same_sparse(got, expected)
+        if how != "backend":
+            assert res["paths"]["sparse"] > 0
+
+
+def test_failed_collectives_raise_on_every_rank(agg, tmp_path) -> None:
+    results = run_procs("failure_case", 2, tmp_path, agg.address)
+    for rank, res in enumerate(results):
+        for name in ("sync", "wait", "future_wait", "future_value"):
+            kind, is_runtime, message = res[name]
+            # wait() raises the error itself; a torch future raises a RuntimeError naming it.
+            assert is_runtime and (kind == "CollectiveError" or "CollectiveError: " in message), (rank, name, kind)
+            assert "MismatchError" in message and "length: 10 vs 11" in message, (rank, name, message)
+        assert res["sync"][0] == res["wait"][0] == "CollectiveError"
+        for name in ("sync", "wait", "future_wait"):
+            assert res[name + "_unchanged"], (rank, name)
+        assert res["is_completed"]
+        torch.testing.assert_close(res["after"], torch.full((4,), 3.0))
+        if rank == 0:
+            kind, _, message = res["timeout"]
+            assert kind == "CollectiveError" and "OpTimeoutError" in message, message
+        # DDP: the step where rank 0 sent a short bucket raises in backward on both ranks.
+        for name, what in (("ddp_backend", "all_reduce"), ("ddp_hook", "DDP bucket")):
+            assert len(res[name]) == 1, (rank, name, res[name])
+            step, message = res[name][0]
+            assert step == 2 and what in message and "MismatchError" in message, (rank, name, message)
+
+
+def test_init_process_group_needs_no_project_import(agg, tmp_path) -> None:
+    # A fresh interpreter that imports torch only: the entry point registers the backend.
+    script = textwrap.dedent(f"""
+        import sys, torch, torch.distributed as dist
+        assert "worker.backend" not in sys.modules and "zmq" not in sys.modules, "import torch loaded the backend"
+        dist.init_process_group("omnireduce", init_method="file://{tmp_path}/init", rank=0, world_size=1)
+        t = torch.arange(4.0)
+        dist.all_reduce(t)
+        print(dist.get_backend(), t.tolist(), type(dist.group.WORLD).__name__)
+        dist.destroy_process_group()
+    """)
+    env = {**os.environ, "OMNIREDUCE_ADDRESS": agg.address, "OMNIREDUCE_JOB": "entry-point"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[0] == "omnireduce [0.0, 1.0, 2.0, 3.0] OmniReduceProcessGroup", proc.stdout
+
+
+def test_import_torch_survives_a_broken_backend(tmp_path) -> None:
+    # The entry point must never make `import torch` fail, whatever goes wrong in it.
+    script = textwrap.dedent("""
+        import torch.distributed
+        from worker import autoload
+        torch.distributed.Backend.register_backend = None   # registering now raises TypeError
+        torch.distributed.Backend._plugins.pop("OMNIREDUCE", None)
+        autoload.register()
+        print("survived", "OMNIREDUCE" in torch.distributed.Backend._plugins)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "survived False"
+    assert "could not register" in proc.stderr
+
+
+def test_collectives_equal_gloo_for_the_dtypes_and_shapes_torch_sends(agg, tmp_path) -> None:
+    world = 3
+    results = run_procs("collectives_case", world, tmp_path, agg.address)
+    for rank, res in enumerate(results):
+        groups = res.pop("groups")
+        for name, (gloo, ours) in res.items():
+            if name == "sum_sparse":
+                _same_sparse(ours, gloo)
+            elif name.startswith("all_gather"):
+                for a, b in zip(ours, gloo, strict=True):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+            else:
+                exact = not name.endswith(("_float", "_0dim", "_noncontiguous"))
+                tol = dict(rtol=0, atol=0) if exact else {}
+                torch.testing.assert_close(ours, gloo, **tol, msg=lambda m, name=name: f"{name}: {m}")
+        # int32 sums really overflowed (so wraparound was checked), int64 went beyond 2**53.
+        assert int(res["sum_torch.int64"][0].abs().max()) > 2**53
+        # Groups: every group a job of its own, derived from OMNIREDUCE_JOB.
+        world_job, sub_job = groups["jobs"]
+        assert world_job.startswith("collectives.") and sub_job.startswith("collectives.") and world_job != sub_job
+        if rank in (0, 1):
+            t, job, size = groups["pair"]
+            torch.testing.assert_close(t, torch.full((3,), 3.0))
+            assert size == 2 and job not in (world_job, sub_job)
+        torch.testing.assert_close(groups["after_destroy"], torch.full((2,), 3.0))

@@ -1,0 +1,237 @@
+"""Row-sparse tensors: the caller says which rows are nonzero, and each row is a block.
+
+An embedding's gradient (``nn.Embedding(sparse=True)``) is a sparse COO tensor
+whose nonzero rows are exactly the rows the step looked up. OmniReduce cuts a
+tensor into blocks and sends only the nonzero ones; for such a tensor the rows
+*are* the blocks, so no pass over a dense tensor is needed to find them. An op
+of :class:`SparseRows` lays the tensor out with one row per block (block size =
+row width): its mask is the given rows, its payload the given values, and the
+aggregator streams back the sums of the union of every worker's rows, which
+become the result's rows. The result holds exactly the rows some worker gave
+(as gloo's sparse allreduce, rows that sum to zero included).
+
+:class:`SparseRows` is the NumPy form; torch's sparse COO tensors convert to it
+(:meth:`SparseRows.from_torch`) and back (:meth:`SparseRows.to_torch`), so
+``Worker.allreduce`` of a sparse tensor returns a coalesced sparse tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from omnireduce import blocks
+from omnireduce.dtypes import DType
+from omnireduce.errors import ConfigError
+from omnireduce.layout import Layout
+from worker.tensors import is_torch, to_flat
+
+__all__ = ["SparseRows", "RowsOpData", "is_sparse_torch", "rows_op_data"]
+
+
+def from_storage(values: np.ndarray, dtype: DType) -> Any:
+    """A CPU torch tensor of wire-stored ``values`` (bfloat16 from its uint16 bits), sharing their memory."""
+    import torch
+
+    if dtype is DType.BFLOAT16:
+        return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(values)
+
+
+def is_sparse_torch(x: Any) -> bool:
+    """Whether ``x`` is a sparse COO torch tensor; does not import torch."""
+    return is_torch(x) and bool(x.is_sparse)
+
+
+@dataclass(frozen=True, slots=True)
+class SparseRows:
+    """A tensor of ``num_rows`` rows of which only ``rows`` are stored (the others are zero).
+
+    Args:
+        rows: the stored rows' indices: int64, strictly increasing, in ``[0, num_rows)``.
+        values: the stored rows, shape ``(len(rows), *row_shape)``, a supported dtype.
+        num_rows: the tensor's number of rows.
+        shape: the dense tensor's shape; default ``(num_rows, *row_shape)``. A torch
+            tensor with several sparse dimensions keeps them here (its rows are then
+            the flattened sparse indices).
+        dtype: the values' wire type; default the one of ``values.dtype``. Needed for
+            bfloat16 only, whose values are stored as their uint16 bits.
+    """
+
+    rows: np.ndarray
+    values: np.ndarray
+    num_rows: int
+    shape: tuple[int, ...] | None = None
+    dtype: DType | None = None
+
+    def __post_init__(self) -> None:
+        rows, values = self.rows, self.values
+        if not isinstance(rows, np.ndarray) or rows.ndim != 1 or rows.dtype.kind not in "iu":
+            raise ConfigError("SparseRows.rows must be a 1-D integer array")
+        if not isinstance(values, np.ndarray) or values.ndim < 1 or len(values) != len(rows):
+            raise ConfigError(f"SparseRows.values must be an array of {len(rows)} rows, one per index")
+        if isinstance(self.num_rows, bool) or not isinstance(self.num_rows, (int, np.integer)) or self.num_rows < 0:
+            raise ConfigError(f"SparseRows.num_rows must be a non-negative integer, got {self.num_rows!r}")
+        if len(rows) and (int(rows[0]) < 0 or int(rows[-1]) >= self.num_rows):
+            raise ConfigError(f"SparseRows.rows must lie in [0, {self.num_rows})")
+        if len(rows) > 1 and not bool((rows[1:] > rows[:-1]).all()):
+            raise ConfigError("SparseRows.rows must be strictly increasing (coalesced)")
+        if self.row_width == 0:
+            raise ConfigError("SparseRows with empty rows (a zero-sized row shape) are not supported")
+        shape = self.dense_shape
+        if math.prod(shape) != self.num_rows * self.row_width:
+            raise ConfigError(f"SparseRows.shape {shape} does not hold {self.num_rows} rows of {self.row_width}")
+        if self.dtype is None:
+            try:
+                object.__setattr__(self, "dtype", DType.of_numpy(values.dtype))
+            except KeyError:
+                raise ConfigError(f"allreduce does not support rows of dtype {values.dtype}") from None
+        elif values.dtype != np.dtype(self.dtype.storage):
+            raise ConfigError(f"rows of {self.dtype.name} must be stored as {self.dtype.storage}, got {values.dtype}")
+        object.__setattr__(self, "rows", rows.astype(np.int64, copy=False))
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[1:])
+
+    @property
+    def row_width(self) -> int:
+        """Elements per row: the op's block size."""
+        return math.prod(self.row_shape)
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        return self.shape if self.shape is not None else (self.num_rows, *self.row_shape)
+
+    def to_dense(self) -> np.ndarray:
+        """The dense array (zeros where no row is stored)."""
+        out = np.zeros((self.num_rows, *self.row_shape), dtype=self.values.dtype)
+        out[self.rows] = self.values
+        return out.reshape(self.dense_shape)
+
+    def slice_rows(self, lo: int, hi: int) -> SparseRows:
+        """Rows ``[lo, hi)``, renumbered from 0 (a shard's chunk)."""
+        a, b = np.searchsorted(self.rows, [lo, hi])
+        return SparseRows(self.rows[a:b] - lo, self.values[a:b], hi - lo, dtype=self.dtype)
+
+    @staticmethod
+    def join(parts: list[SparseRows], offsets: list[int], num_rows: int, shape: tuple[int, ...] | None) -> SparseRows:
+        """The chunks ``parts`` (chunk ``k`` starting at row ``offsets[k]``) as one tensor."""
+        rows = np.concatenate([p.rows + o for p, o in zip(parts, offsets)])
+        values = np.concatenate([p.values for p in parts])
+        return SparseRows(rows, values, num_rows, shape, parts[0].dtype)
+
+    @classmethod
+    def from_torch(cls, t: Any) -> SparseRows:
+        """A sparse COO torch tensor (CPU) as rows: its sparse dimensions flattened into one.
+
+        Returns:
+            The rows (values as wire storage: bfloat16 as uint16 bits).
+
+        Raises:
+            ConfigError: not a CPU sparse COO tensor of a supported dtype.
+        """
+        if t.device.type != "cpu":
+            raise ConfigError(f"allreduce of a sparse tensor on {t.device} is not supported; move it to the CPU")
+        c = t.detach().coalesce()
+        k = c.sparse_dim()
+        if k < 1:
+            raise ConfigError("allreduce of a sparse tensor needs at least one sparse dimension")
+        shape = tuple(c.shape)
+        idx = c.indices().numpy()
+        rows = np.ravel_multi_index(tuple(idx), shape[:k]) if k > 1 else idx[0]
+        vals = c.values()
+        flat, dtype, _ = to_flat(vals)
+        values = flat.reshape(vals.shape) if vals.dim() > 1 else flat.reshape(len(rows), 1)
+        return cls(np.asarray(rows, dtype=np.int64), values, math.prod(shape[:k]), shape, dtype)
+
+    def to_torch(self, sparse_dim: int) -> Any:
+        """This tensor as a coalesced sparse COO torch tensor of ``sparse_dim`` sparse dimensions."""
+        import torch
+
+        shape = self.dense_shape
+        if sparse_dim > 1:
+            idx = np.stack(np.unravel_index(self.rows, shape[:sparse_dim])) if len(self.rows) else (
+                np.empty((sparse_dim, 0), dtype=np.int64))
+        else:
+            idx = self.rows.reshape(1, -1)
+        assert self.dtype is not None  # set by __post_init__
+        values = from_storage(np.ascontiguousarray(self.values), self.dtype).reshape(len(self.rows), *shape[sparse_dim:])
+        return torch.sparse_coo_tensor(torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)), values, shape,
+                                       is_coalesced=True)
+
+
+class RowsOpData:
+    """The data path of an allreduce of :class:`SparseRows`: where :class:`worker.op.WorkerOp`
+    gets its mask and blocks (the given rows) and puts the results (the summed rows).
+
+    Args:
+        x: the rows.
+        sparse_dim: for a torch tensor's rows, its number of sparse dimensions: the
+            result is then a sparse torch tensor again.
+    """
+
+    out = None  # the result is built by finish(), not written into an array
+
+    def __init__(self, x: SparseRows, sparse_dim: int | None = None) -> None:
+        assert x.dtype is not None  # set by SparseRows
+        self.x = x
+        self.dtype: DType = x.dtype
+        # Set for a torch tensor: the result goes back to one of that many sparse dimensions.
+        self.sparse_dim = sparse_dim
+        self.block_size = x.row_width
+        self.length = x.num_rows * x.row_width
+        self._values = np.ascontiguousarray(x.values).reshape(len(x.rows), x.row_width)
+        self._ids: list[np.ndarray] = []
+        self._payloads: list[np.ndarray] = []
+
+    @property
+    def mask(self) -> np.ndarray:
+        mask = np.zeros(self.x.num_rows, dtype=np.bool_)
+        mask[self.x.rows] = True
+        return mask
+
+    def gather(self, ids: np.ndarray, layout: Layout) -> np.ndarray:
+        """The rows ``ids`` (all of them stored here) as one payload, a view where they are consecutive."""
+        pos = np.searchsorted(self.x.rows, ids)
+        first = blocks.contiguous_start(pos)
+        if first is not None:
+            return self._values[first : first + len(pos)].reshape(-1)
+        return self._values.take(pos, axis=0).reshape(-1)
+
+    def scatter(self, ids: np.ndarray, payload: np.ndarray, layout: Layout) -> None:
+        # Kept as received (views of the message frames): joined once, in finish().
+        self._ids.append(ids)
+        self._payloads.append(payload.reshape(len(ids), self.block_size))
+
+    def finish(self) -> SparseRows:
+        """The summed rows, in row order."""
+        width = self.x.row_shape
+        if not self._ids:
+            empty = np.empty((0, *width), dtype=self._values.dtype)
+            return SparseRows(np.empty(0, dtype=np.int64), empty, self.x.num_rows, self.x.shape, self.dtype)
+        ids = np.concatenate(self._ids)
+        values = np.concatenate(self._payloads)
+        self._ids, self._payloads = [], []
+        order = np.argsort(ids, kind="stable")
+        return SparseRows(ids[order], values[order].reshape(len(ids), *width), self.x.num_rows, self.x.shape,
+                          self.dtype)
+
+    def restore(self, _out: Any) -> Any:
+        """The result in the input's form: :class:`SparseRows`, or a sparse torch tensor."""
+        result = self.finish()
+        return result if self.sparse_dim is None else result.to_torch(self.sparse_dim)
+
+
+def rows_op_data(x: Any) -> RowsOpData:
+    """The data path of an allreduce of ``x``: :class:`SparseRows` or a sparse COO torch tensor.
+
+    Raises:
+        ConfigError: the rows or their dtype are not supported.
+    """
+    if isinstance(x, SparseRows):
+        return RowsOpData(x)
+    return RowsOpData(SparseRows.from_torch(x), x.sparse_dim())

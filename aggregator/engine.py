@@ -72,16 +72,6 @@ def _params(msg: Start) -> tuple[Any, ...]:
     )
 
 
-class _OpFailed(OmniReduceError):
-    """Fails an op on every worker that joined it (and on the sender)."""
-
-    def __init__(self, code: ErrorCode, message: str, ranks: list[int] | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.ranks = ranks or []
-
-
 @dataclass(slots=True)
 class _Stream:
     index: int
@@ -177,10 +167,24 @@ class Engine:
         self._jobs = Jobs(self.limits)
         self._failed: OrderedDict[tuple[str, int], tuple[int, ErrorCode, str, list[int]]] = OrderedDict()
         self._log = RateLimitedLog(logger, clock=clock)
-        self.ops_completed = 0
-        self.ops_failed = 0
-        self.held_bytes = 0
-        self.peak_held_bytes = 0
+
+    # Read-only views of the counters, for callers that ask the engine.
+
+    @property
+    def ops_completed(self) -> int:
+        return self.counters.ops_completed
+
+    @property
+    def ops_failed(self) -> int:
+        return self.counters.ops_failed
+
+    @property
+    def held_bytes(self) -> int:
+        return self.counters.held_bytes
+
+    @property
+    def peak_held_bytes(self) -> int:
+        return self.counters.peak_held_bytes
 
     @property
     def active_ops(self) -> int:
@@ -214,7 +218,7 @@ class Engine:
         """
         self.counters.messages_in += 1
         try:
-            msg, data = decode(frames)
+            msg, body = decode(frames)
         except ProtocolError as e:
             return self._refuse(peer, "?", None, Refused(ErrorCode.PROTOCOL, str(e)))
         if isinstance(msg, Bye):
@@ -235,17 +239,17 @@ class Engine:
             return [(peer, encode(Error(key[0], key[1], code, message, ranks)))]
         try:
             if isinstance(msg, Start):
-                return self._on_start(peer, job, msg, data)
-            return self._on_blocks(peer, msg, data)
+                return self._on_start(peer, job, msg, body)
+            return self._on_blocks(peer, msg, body)
         except Refused as e:
+            if e.fails_op:
+                return self._fail_op(key, e.code, e.message, e.ranks, extra_peer=peer)
             return self._refuse(peer, msg.job, msg.rank, e)
-        except _OpFailed as e:
-            return self._fail(key, e.code, e.message, e.ranks, extra_peer=peer)
         except Exception as e:  # a bug must fail the op, not kill the daemon
             logger.exception(
                 "internal error handling %s (job=%r op=%d rank=%d)", msg.TYPE.name, key[0], key[1], msg.rank
             )
-            return self._fail(key, ErrorCode.INTERNAL, f"internal aggregator error: {e!r}", [], extra_peer=peer)
+            return self._fail_op(key, ErrorCode.INTERNAL, f"internal aggregator error: {e!r}", [], extra_peer=peer)
 
     def expire(self) -> list[Outgoing]:
         """Fails every op older than the timeout; call it periodically."""
@@ -259,7 +263,7 @@ class Engine:
             missing = [r for r, p in enumerate(op.peers) if p is None]
             if not missing:
                 missing = sorted({r for s in op.streams if not s.done for r in s.expected - s.received.keys()})
-            out += self._fail(
+            out += self._fail_op(
                 key, ErrorCode.TIMEOUT,
                 f"op did not complete within {self.timeout:g} s; waiting for ranks {_ranks_text(missing)}", missing,
             )
@@ -292,7 +296,7 @@ class Engine:
             else:
                 doomed = sorted(o for o in j.ops if peer in self._ops[(j.name, o)].peers)
             for o in doomed:
-                out += self._fail((j.name, o), ErrorCode.PEER_LOST, f"rank {rank} {reason}", [rank])
+                out += self._fail_op((j.name, o), ErrorCode.PEER_LOST, f"rank {rank} {reason}", [rank])
             self._drop_if_idle(j)
         return out
 
@@ -300,7 +304,9 @@ class Engine:
         j, stale = self._jobs.hello(peer, msg)
         out: list[Outgoing] = []
         for o in stale:
-            out += self._fail((j.name, o), ErrorCode.STALE, f"the job was restarted with generation {j.generation}", [])
+            out += self._fail_op(
+                (j.name, o), ErrorCode.STALE, f"the job was restarted with generation {j.generation}", []
+            )
         if stale:
             self._forget_failures(j.name)
         return out
@@ -312,8 +318,8 @@ class Engine:
         out: list[Outgoing] = []
         # Ops it had joined cannot complete; ops it had not joined will time out, naming it.
         for o in sorted(o for o in j.ops if peer in self._ops[(j.name, o)].peers):
-            out += self._fail((j.name, o), ErrorCode.PEER_LOST, f"rank {msg.rank} left (its worker was closed)",
-                              [msg.rank])
+            out += self._fail_op((j.name, o), ErrorCode.PEER_LOST, f"rank {msg.rank} left (its worker was closed)",
+                                 [msg.rank])
         self._drop_if_idle(j)
         return out
 
@@ -333,7 +339,7 @@ class Engine:
         )
         return [(peer, encode(Error(job, e.op, e.code, e.message, e.ranks)))]
 
-    def _fail(
+    def _fail_op(
         self, key: tuple[str, int], code: ErrorCode, message: str, ranks: list[int], extra_peer: bytes | None = None
     ) -> list[Outgoing]:
         self._log(logging.ERROR, "job=%r op=%d failed (%s): %s", key[0], key[1], code.name, message)
@@ -343,7 +349,7 @@ class Engine:
         self._failed[key] = (generation, code, message, ranks)
         if len(self._failed) > _TOMBSTONES:
             self._failed.popitem(last=False)
-        self.ops_failed += 1
+        self.counters.ops_failed += 1
         self.counters.error(code.name.lower())
         if op is not None:
             self._release(op)
@@ -358,29 +364,30 @@ class Engine:
     def _hold(self, op: _Op, s: _Stream | None, nbytes: int) -> None:
         j = self._jobs[op.job]
         lim = self.limits
+        c = self.counters
         if j.held + nbytes > lim.max_job_bytes:
-            raise _OpFailed(ErrorCode.LIMIT, f"the job would hold {j.held + nbytes} bytes in flight, above the "
-                            f"limit of {lim.max_job_bytes}")
-        if self.held_bytes + nbytes > lim.max_bytes:
-            raise _OpFailed(ErrorCode.LIMIT, f"the aggregator would hold {self.held_bytes + nbytes} bytes in flight, "
-                            f"above its limit of {lim.max_bytes}")
+            raise Refused.op_failure(ErrorCode.LIMIT, f"the job would hold {j.held + nbytes} bytes in flight, above "
+                                     f"the limit of {lim.max_job_bytes}")
+        if c.held_bytes + nbytes > lim.max_bytes:
+            raise Refused.op_failure(ErrorCode.LIMIT, f"the aggregator would hold {c.held_bytes + nbytes} bytes in "
+                                     f"flight, above its limit of {lim.max_bytes}")
         if s is not None:
             s.held += nbytes
         op.held += nbytes
         j.held += nbytes
-        self.held_bytes += nbytes
-        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        c.held_bytes += nbytes
+        c.peak_held_bytes = max(c.peak_held_bytes, c.held_bytes)
 
     def _unhold(self, op: _Op, s: _Stream) -> None:
         nbytes, s.held = s.held, 0
         op.held -= nbytes
         self._jobs[op.job].held -= nbytes
-        self.held_bytes -= nbytes
+        self.counters.held_bytes -= nbytes
 
     def _release(self, op: _Op) -> None:
         """Gives back everything an op held; it is no longer in flight."""
         j = self._jobs.get(op.job)
-        self.held_bytes -= op.held
+        self.counters.held_bytes -= op.held
         if j is not None:
             j.held -= op.held
             j.ops.discard(op.op)
@@ -392,51 +399,54 @@ class Engine:
             self._drop_if_idle(j)
 
     def _retire(self, op: _Op) -> None:
-        """Books a completed op."""
+        """Books a completed op, the one place that does: counted, timed, no longer in flight."""
+        del self._ops[(op.job, op.op)]
+        self.counters.ops_completed += 1
         self.counters.observe_latency(self._clock() - op.started)
         self._release(op)
 
     # Ops.
 
-    def _new_op(self, j: Job, msg: Start, data: list[Any]) -> _Op:
+    def _new_op(self, j: Job, msg: Start, body: list[Any]) -> _Op:
         lim = self.limits
         if msg.world_size != j.world_size:
-            raise _OpFailed(
+            raise Refused.op_failure(
                 ErrorCode.MISMATCH, f"rank {msg.rank} says the job has {msg.world_size} workers, the job has "
                 f"{j.world_size}", [msg.rank],
             )
         if j.lost:
             lost = sorted(j.lost)
-            raise _OpFailed(
+            raise Refused.op_failure(
                 ErrorCode.PEER_LOST, f"rank {lost[0]} {j.lost[lost[0]]}"
                 + (f" (ranks {_ranks_text(lost)} are gone)" if len(lost) > 1 else "")
                 + "; restart the job with a new generation", lost,
             )
         if len(j.ops) >= lim.max_ops_per_job:
-            raise _OpFailed(ErrorCode.LIMIT, f"the job has {len(j.ops)} ops in flight, its limit")
+            raise Refused.op_failure(ErrorCode.LIMIT, f"the job has {len(j.ops)} ops in flight, its limit")
         if msg.streams > lim.max_streams:
-            raise _OpFailed(ErrorCode.LIMIT, f"{msg.streams} streams exceed the limit of {lim.max_streams}")
+            raise Refused.op_failure(ErrorCode.LIMIT, f"{msg.streams} streams exceed the limit of {lim.max_streams}")
         try:
             layout = Layout(msg.length, msg.block_size, msg.message_blocks, msg.streams)
         except OmniReduceError as e:
-            raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank}: {e}") from None
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank}: {e}") from None
         dtype = DType(msg.dtype)
         if dtype.is_integer and msg.weight is not None:
             # A weighted mean of integers has no integer result; the worker refuses it
             # first, so only a foreign or broken worker gets here. Later STARTs of the op
             # then fail on its tombstone, so every rank hears of it.
-            raise _OpFailed(
+            raise Refused.op_failure(
                 ErrorCode.MISMATCH, f"rank {msg.rank} asked for a weighted mean of {dtype.name.lower()} elements: "
                 "integer ops are plain sums, without weights", [msg.rank],
             )
         message = min(msg.message_blocks, max(layout.num_columns, 1)) * msg.block_size * dtype.itemsize
         if message > lim.max_message_bytes:
-            raise _OpFailed(ErrorCode.LIMIT, f"messages of this op would carry up to {message} bytes, above the "
-                            f"limit of {lim.max_message_bytes}; use smaller blocks or fewer blocks per message")
+            raise Refused.op_failure(ErrorCode.LIMIT, f"messages of this op would carry up to {message} bytes, above "
+                                     f"the limit of {lim.max_message_bytes}; use smaller blocks or fewer blocks per "
+                                     "message")
         # Checked before anything is allocated for the op.
-        if len(data) != 1 or buffer_of(data[0]).nbytes > 8 * layout.num_columns:
-            raise _OpFailed(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry at most "
-                            f"{layout.num_columns} column pointers")
+        if len(body) != 1 or buffer_of(body[0]).nbytes > 8 * layout.num_columns:
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry at most "
+                                     f"{layout.num_columns} column pointers")
         op = _Op(
             job=msg.job, op=msg.op, world_size=msg.world_size, layout=layout, dtype=dtype,
             params=_params(msg), started=self._clock(), peers=[None] * msg.world_size,
@@ -452,12 +462,12 @@ class Engine:
         self.counters.ops_started += 1
         return op
 
-    def _on_start(self, peer: bytes, j: Job, msg: Start, data: list[Any]) -> list[Outgoing]:
+    def _on_start(self, peer: bytes, j: Job, msg: Start, body: list[Any]) -> list[Outgoing]:
         key = (msg.job, msg.op)
         params = _params(msg)
         op = self._ops.get(key)
         if op is None:
-            op = self._new_op(j, msg, data)
+            op = self._new_op(j, msg, body)
         elif params != op.params:
             names = ("world_size", "length", "dtype", "block_size", "message_blocks", "streams", "weighted")
             joined = [r for r, p in enumerate(op.peers) if p is not None]
@@ -470,21 +480,24 @@ class Engine:
             diff = ", ".join(
                 f"{n}: {a} vs {b}" for n, a, b in zip(names, pairs[0], pairs[1], strict=True) if a != b
             )
-            raise _OpFailed(
+            raise Refused.op_failure(
                 ErrorCode.MISMATCH,
                 f"workers disagree on the op: {diff} (ranks {_ranks_text(groups[0])} vs {_ranks_text(groups[1])})",
                 sorted({*joined, msg.rank}),
             )
         if op.peers[msg.rank] is not None:
-            raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank} joined the op twice", [msg.rank])
-        if len(data) != 1:
-            raise _OpFailed(ErrorCode.PROTOCOL, f"START from rank {msg.rank} has {len(data)} frames, expected 1")
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} joined the op twice", [msg.rank])
+        if len(body) != 1:
+            raise Refused.op_failure(
+                ErrorCode.PROTOCOL, f"START from rank {msg.rank} has {len(body)} frames, expected 1"
+            )
         lay = op.layout
         try:
-            first = expand_pointers(index_array(data[0]), 0, lay.num_columns, lay.num_columns, lay.num_blocks)
+            first = expand_pointers(index_array(body[0]), 0, lay.num_columns, lay.num_columns, lay.num_blocks)
         except ProtocolError as e:
-            raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank} sent block pointers outside its columns: {e}",
-                            [msg.rank]) from None
+            raise Refused.op_failure(
+                ErrorCode.PROTOCOL, f"rank {msg.rank} sent block pointers outside its columns: {e}", [msg.rank]
+            ) from None
         op.nextp[msg.rank] = first
         op.peers[msg.rank] = peer
         if msg.weight is not None:
@@ -502,8 +515,6 @@ class Engine:
         for s in op.streams:
             out += self._advance(op, s, np.empty(0, dtype=op.dtype.storage), batches if s.index == 0 else None)
         self.counters.rounds += len(op.streams)
-        if op.streams_left == 0:
-            self._retire(op)
         return out
 
     def _check_pointers(
@@ -515,7 +526,7 @@ class Engine:
         if len(after):
             ok &= ptrs[finite] > after[finite]
         if not ok.all():
-            raise _OpFailed(ErrorCode.PROTOCOL, f"rank {rank} sent block pointers outside its columns", [rank])
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent block pointers outside its columns", [rank])
 
     def _balance(self, j: Job, op: _Op) -> list[float] | None:
         """The recommended batch per rank, once every rank of a weighted op reported its compute time.
@@ -539,7 +550,10 @@ class Engine:
     def _advance(
         self, op: _Op, s: _Stream, payload: np.ndarray, batches: list[float] | None = None
     ) -> list[Outgoing]:
-        """Sends the last round's sums and the next instruction, and sets up the next round."""
+        """Sends the last round's sums and the next instruction, and sets up the next round.
+
+        The last round of the op's last stream completes the op (:meth:`_retire`).
+        """
         table = op.nextp[:, s.span] if s.cols is None else op.nextp[:, s.cols]
         cur = table.min(axis=0) if len(table) else _EMPTY_INDEX
         active = cur != INF
@@ -549,6 +563,8 @@ class Engine:
             table, cur = table[:, keep], cur[keep]
         s.match = table == cur
         s.expected = set(np.flatnonzero(s.match.any(axis=1)).tolist())
+        if s.held:
+            self._unhold(op, s)  # the last round's frames, let go of below
         s.received = {}
         frames = encode(Result(op.job, op.op, s.index, s.round, batches), cur, payload)
         s.cur = cur
@@ -556,46 +572,49 @@ class Engine:
             s.done = True
             op.streams_left -= 1
             if op.streams_left == 0:
-                del self._ops[(op.job, op.op)]
-                self.ops_completed += 1
+                self._retire(op)
         return [(p, frames) for p in op.peers if p is not None]
 
-    def _on_blocks(self, peer: bytes, msg: Blocks, data: list[Any]) -> list[Outgoing]:
+    def _on_blocks(self, peer: bytes, msg: Blocks, body: list[Any]) -> list[Outgoing]:
         key = (msg.job, msg.op)
         op = self._ops.get(key)
         if op is None:
             raise Refused(ErrorCode.UNKNOWN_OP, "no such op in flight", msg.op, [msg.rank])
         if msg.stream >= len(op.streams):
-            raise _OpFailed(ErrorCode.PROTOCOL, f"rank {msg.rank} sent stream {msg.stream} out of range", [msg.rank])
+            raise Refused.op_failure(
+                ErrorCode.PROTOCOL, f"rank {msg.rank} sent stream {msg.stream} out of range", [msg.rank]
+            )
         if op.peers[msg.rank] != peer:
             # Only the connection that joined the op may send its blocks.
             raise Refused(ErrorCode.PROTOCOL, f"rank {msg.rank} did not join op {msg.op} on this connection",
                            msg.op, [msg.rank])
         s = op.streams[msg.stream]
         if s.done or msg.round != s.round or msg.rank not in s.expected or msg.rank in s.received:
-            raise _OpFailed(
+            raise Refused.op_failure(
                 ErrorCode.PROTOCOL,
                 f"rank {msg.rank} sent stream {msg.stream} round {msg.round} unexpectedly "
                 f"(stream at round {s.round}, done={s.done})",
                 [msg.rank],
             )
-        if len(data) != 2:
-            raise _OpFailed(ErrorCode.PROTOCOL, f"BLOCKS from rank {msg.rank} has {len(data)} frames, expected 2")
+        if len(body) != 2:
+            raise Refused.op_failure(
+                ErrorCode.PROTOCOL, f"BLOCKS from rank {msg.rank} has {len(body)} frames, expected 2"
+            )
         sel = np.flatnonzero(s.match[msg.rank])
-        ptrs = index_array(data[0])
+        ptrs = index_array(body[0])
         if len(ptrs) != len(sel):
-            raise _OpFailed(
+            raise Refused.op_failure(
                 ErrorCode.PROTOCOL, f"rank {msg.rank} sent {len(ptrs)} pointers, expected {len(sel)}", [msg.rank]
             )
         ids = s.cur[sel]
         self._check_pointers(op, ptrs, s.columns(sel), ids, msg.rank)
-        buf = buffer_of(data[1])
+        buf = buffer_of(body[1])
         want = op.layout.payload_elements(ids) * op.dtype.itemsize
         if buf.nbytes != want:
-            raise _OpFailed(
+            raise Refused.op_failure(
                 ErrorCode.PROTOCOL, f"rank {msg.rank} sent a payload of {buf.nbytes} bytes, expected {want}", [msg.rank]
             )
-        # The frames stay referenced until the round completes: count them against the caps.
+        # The frames stay referenced until the round completes (_advance): count them against the caps.
         self._hold(op, s, buf.nbytes + ptrs.nbytes)
         s.received[msg.rank] = (sel, ptrs, np.frombuffer(buf, dtype=op.dtype.storage))
         self.counters.blocks_in += len(sel)
@@ -603,11 +622,8 @@ class Engine:
             return []
         summed = len(s.cur)
         out = self._complete_round(op, s)
-        self._unhold(op, s)
         self.counters.rounds += 1
         self.counters.blocks_out += summed * op.world_size
-        if op.streams_left == 0:
-            self._retire(op)
         return out
 
     def _complete_round(self, op: _Op, s: _Stream) -> list[Outgoing]:

@@ -26,21 +26,42 @@ __all__ = ["Refused", "Job", "Binding", "Jobs"]
 
 
 class Refused(OmniReduceError):
-    """Refuses one message: the ERROR goes to its sender only and no op is touched.
+    """The aggregator's ERROR answer to a message it will not take, raised where it is found out.
+
+    By default it refuses that one message: the ERROR goes to its sender only and no
+    op is touched (what :class:`Jobs` raises). With ``fails_op`` the message broke
+    the op it belongs to: the engine fails that op on every worker that joined it,
+    and on the sender.
 
     Args:
         code: the error code.
         message: why.
-        op: the op the message was about, if any.
+        op: the op the ERROR names (a refusal's; None for the connection as a whole).
+            A failed op is the message's own, whatever this says.
         ranks: the ranks concerned.
+        fails_op: fail the message's op, not only refuse the message.
     """
 
-    def __init__(self, code: ErrorCode, message: str, op: int | None = None, ranks: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        op: int | None = None,
+        ranks: list[int] | None = None,
+        *,
+        fails_op: bool = False,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.op = op
         self.ranks = ranks or []
+        self.fails_op = fails_op
+
+    @classmethod
+    def op_failure(cls, code: ErrorCode, message: str, ranks: list[int] | None = None) -> Refused:
+        """One that fails the message's op on every worker that joined it (``fails_op``)."""
+        return cls(code, message, ranks=ranks, fails_op=True)
 
 
 @dataclass(slots=True)

@@ -2,8 +2,9 @@
 
 :class:`Limits` caps every resource a peer can make the aggregator hold, so that
 hostile or broken input gets an ERROR reply instead of unbounded memory.
-:class:`Counters` are plain numbers the engine bumps on its hot path; the
-Prometheus endpoint (:mod:`aggregator.metrics`) reads them when scraped.
+:class:`Counters` are the plain numbers the engine keeps on its hot path, every
+one of them (what it did, and the bytes it holds); the Prometheus endpoint
+(:mod:`aggregator.metrics`) reads them when scraped.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 
 @dataclass(slots=True)
 class Counters:
-    """Monotonic counts of what the aggregator did; read by the metrics endpoint."""
+    """What the aggregator did (monotonic counts) and holds; read by the metrics endpoint."""
 
     messages_in: int = 0
     bytes_in: int = 0
@@ -82,8 +83,14 @@ class Counters:
     blocks_out: int = 0
     rounds: int = 0
     ops_started: int = 0
+    ops_completed: int = 0
+    #: Ops failed, for any reason.
+    ops_failed: int = 0
     send_failures: int = 0
     peers_lost: int = 0
+    #: Bytes held for ops in flight (a gauge), and the most ever held.
+    held_bytes: int = 0
+    peak_held_bytes: int = 0
     #: Errors by kind (the lower-case ErrorCode name): failed ops and refused messages.
     errors: dict[str, int] = field(default_factory=dict)
     #: Completed ops per latency bucket (not cumulative), and the latencies' sum.

@@ -1,9 +1,10 @@
 """The aggregator's Prometheus endpoint (``--metrics-port``), with prometheus-client.
 
-The engine keeps plain counters on its hot path (:class:`aggregator.limits.Counters`);
-this collector turns them into metric families when the endpoint is scraped, so
-serving metrics costs the aggregator nothing between scrapes. Each aggregator has
-its own registry: several can run in one process (as in the tests).
+The engine keeps every number on its hot path in one structure
+(:class:`aggregator.limits.Counters`); this collector reads the engine and turns
+them into metric families when the endpoint is scraped, so serving metrics costs
+the aggregator nothing between scrapes. Each aggregator has its own registry:
+several can run in one process (as in the tests).
 
 Metrics (all prefixed ``omnireduce_aggregator_``): ``ops_started_total``,
 ``ops_completed_total``, ``ops_failed_total``, ``messages_in_total``,
@@ -44,13 +45,15 @@ _COUNTERS = (
     ("blocks_out", "Summed blocks sent to workers (a block sent to N workers counts N)."),
     ("rounds", "Rounds completed, over all streams of all ops."),
     ("ops_started", "Ops created."),
+    ("ops_completed", "Ops completed."),
+    ("ops_failed", "Ops failed (any reason)."),
     ("peers_lost", "Connections bound to a job that closed or stopped answering heartbeats."),
     ("send_failures", "Messages that could not be sent (peer gone or not reading)."),
 )
 
 
 class AggregatorCollector(Collector):
-    """Reads an aggregator's counters at scrape time.
+    """Reads an aggregator's engine (its counters, jobs and ops) at scrape time.
 
     Args:
         agg: the aggregator.
@@ -64,8 +67,6 @@ class AggregatorCollector(Collector):
         c = engine.counters
         for name, doc in _COUNTERS:
             yield CounterMetricFamily(_PREFIX + name, doc, value=getattr(c, name))
-        yield CounterMetricFamily(_PREFIX + "ops_completed", "Ops completed.", value=engine.ops_completed)
-        yield CounterMetricFamily(_PREFIX + "ops_failed", "Ops failed (any reason).", value=engine.ops_failed)
         errors = CounterMetricFamily(_PREFIX + "errors", "Failed ops and refused messages, by kind.", labels=["kind"])
         # dict() copies atomically under the GIL while the serving thread may add kinds.
         for kind, n in sorted(dict(c.errors).items()):
@@ -83,8 +84,8 @@ class AggregatorCollector(Collector):
         gauges: tuple[tuple[str, str, Any], ...] = (
             ("active_jobs", "Jobs known (a worker connected or an op in flight).", engine.active_jobs),
             ("active_ops", "Ops in flight.", engine.active_ops),
-            ("held_bytes", "Bytes held for ops in flight.", engine.held_bytes),
-            ("peak_held_bytes", "Most bytes ever held for ops in flight.", engine.peak_held_bytes),
+            ("held_bytes", "Bytes held for ops in flight.", c.held_bytes),
+            ("peak_held_bytes", "Most bytes ever held for ops in flight.", c.peak_held_bytes),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(_PREFIX + name, doc, value=value)

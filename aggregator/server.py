@@ -17,15 +17,17 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from aggregator.engine import Engine, Outgoing
 from aggregator.limits import Limits, RateLimitedLog
-from omnireduce import auth, config
+from omnireduce import config, transport
 from omnireduce.errors import ConfigError
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 logger = logging.getLogger(__name__)
 
@@ -40,28 +42,11 @@ _BATCH = 256
 # Far above what the protocol keeps in flight (streams x ops per worker), so a
 # full queue means a peer that stopped reading, which ROUTER_MANDATORY reports.
 _SNDHWM = 100_000
-_MONITORED = (
-    zmq.EVENT_ACCEPTED
-    | zmq.EVENT_DISCONNECTED
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-)
-_HANDSHAKE_FAILED = {
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "key refused",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol or security mechanism mismatch",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
-}
 
 
 def _bindable(listen: str) -> str:
     """ZeroMQ spells "any free port" as ``*``; accept the conventional port 0 too."""
     return re.sub(r"^(tcp://.+):0$", r"\1:*", listen)
-
-
-def _nbytes(frame: Any) -> int:
-    n = getattr(frame, "nbytes", None)
-    return len(frame) if n is None else n
 
 
 class Aggregator:
@@ -125,9 +110,10 @@ class Aggregator:
         self._ctx = context or zmq.Context()
         self.engine = Engine(timeout=timeout, limits=self.limits)
         self.counters = self.engine.counters
-        self._auth = None
+        self._auth: ThreadAuthenticator | None = None
         self._metrics: Any = None
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._mon: zmq.Socket | None = None
+        self._sock = transport.new_socket(self._ctx, zmq.ROUTER)
         #: Every endpoint bound, as resolved (port 0 replaced by the port chosen).
         self.addresses: list[str] = []
         try:
@@ -172,35 +158,22 @@ class Aggregator:
 
     def _configure(self, heartbeat: float, heartbeat_timeout: float, secret: str | None, allowed: str | None) -> None:
         s = self._sock
-        s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.SNDHWM, _SNDHWM)
         # Inbound queues apply back-pressure (nothing is dropped), so this bounds memory safely.
         s.setsockopt(zmq.RCVHWM, self.limits.max_queued_messages)
         s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
-        if heartbeat:
-            s.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(heartbeat * 1000)))
-            s.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(heartbeat_timeout * 1000)))
-            # Tells each worker to drop the connection too if the aggregator goes silent.
-            s.setsockopt(zmq.HEARTBEAT_TTL, min(6_553_000, max(100, int(heartbeat_timeout * 1000))))
-        if secret is not None:
-            self._auth = auth.start_authenticator(self._ctx, allowed)
-            auth.configure_server(s, secret)
-        self._mon = s.get_monitor_socket(_MONITORED)
+        # The TTL tells each worker to drop the connection too if the aggregator goes silent.
+        transport.set_heartbeats(s, heartbeat, heartbeat_timeout, ttl=True)
+        self._auth = transport.curve_server(s, secret, allowed)
+        self._mon = transport.watch(s, zmq.EVENT_ACCEPTED)
 
     def _teardown(self) -> None:
         if self._metrics is not None:
             self._metrics.shutdown()
             self._metrics.server_close()
             self._metrics = None
-        mon = getattr(self, "_mon", None)
-        if mon is not None:
-            try:
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            mon.close()
-        self._sock.close()
+        transport.close_monitored(self._sock, self._mon)
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -248,14 +221,7 @@ class Aggregator:
         self.close()
 
     def _close_sockets(self) -> None:
-        if self._sock.closed:
-            return
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._mon.close()
-        self._sock.close()
+        transport.close_monitored(self._sock, self._mon)
 
     # Everything below runs on the serving thread only.
 
@@ -264,7 +230,7 @@ class Aggregator:
         for peer, frames in out:
             try:
                 self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
-                self.counters.bytes_out += sum(_nbytes(f) for f in frames)
+                self.counters.bytes_out += transport.frames_nbytes(frames)
             except zmq.ZMQError as e:
                 self.counters.send_failures += 1
                 if e.errno == zmq.EHOSTUNREACH:
@@ -306,12 +272,7 @@ class Aggregator:
         self._peer_conn[peer] = conn
 
     def _read_monitor(self) -> None:
-        while True:
-            try:
-                event = parse_monitor_message(self._mon.recv_multipart(flags=zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            kind, value = event["event"], event["value"]
+        for kind, value in transport.monitor_events(self._mon):
             if kind == zmq.EVENT_ACCEPTED:
                 self._accepts[value] = self._accepts.get(value, 0) + 1
             elif kind == zmq.EVENT_DISCONNECTED:
@@ -321,13 +282,15 @@ class Aggregator:
                     why = "disconnected"
                     if self.heartbeat_timeout is not None:
                         why += f" (connection closed, or no heartbeat for {self.heartbeat_timeout:g} s)"
-                    # Its last messages may still wait in the socket: see _settle.
+                    # Its last messages may still wait in the socket: see _declare_departures.
                     self._departed.append((time.monotonic(), peer, why))
-            elif kind in _HANDSHAKE_FAILED:
+            elif kind in transport.HANDSHAKE_FAILURES:
                 self.counters.error("handshake")
-                self._log(logging.WARNING, "refused a connection: %s (%s)", _HANDSHAKE_FAILED[kind], value)
+                self._log(
+                    logging.WARNING, "refused a connection: %s (%s)", transport.HANDSHAKE_FAILURES[kind].listener, value
+                )
 
-    def _settle(self, drained: bool) -> None:
+    def _declare_departures(self, drained: bool) -> None:
         """Declares closed connections gone, once their last messages (a BYE) have been read.
 
         A connection's messages enter the socket before the monitor reports its end,
@@ -366,9 +329,9 @@ class Aggregator:
                     peer = frames[0].bytes
                     if peer not in self._peer_conn:
                         self._track(peer, frames[0])
-                    counters.bytes_in += sum(len(f) for f in frames) - len(peer)
+                    counters.bytes_in += transport.frames_nbytes(frames) - len(peer)
                     self._send_all(self.engine.handle(peer, frames[1:]))
-                self._settle(drained)
+                self._declare_departures(drained)
                 self._send_all(self.engine.expire())
         except Exception:
             logger.exception("aggregator loop died")

@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
 
             def placement(w: int) -> Placement:
                 return Placement(
-                    aggregators=[(f"tcp://{ip}:{_AGG_PORT}", ["ip", "netns", "exec", ns]) for ns, ip in topo.aggregators],
+                    aggregators=[(f"tcp://{ip}:{_AGG_PORT}", ["ip", "netns", "exec", ns])
+                                 for ns, ip in topo.aggregators],
                     rank_prefixes=[["ip", "netns", "exec", ns] for ns, _ in topo.workers[:w]],
                     rank_env=[{"GLOO_SOCKET_IFNAME": "eth0"} for _ in range(w)],
                     rank_listen=[f"tcp://{ip}:0" for _, ip in topo.workers[:w]],

@@ -19,6 +19,11 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SYSTEMS",
     "COLOCATED",
+    "ROWS",
+    "ROWS_COLOCATED",
+    "is_colocated",
+    "is_rows",
+    "worker_mode",
     "DENSITIES",
     "RankSpec",
     "make_tensor",
@@ -30,10 +35,31 @@ __all__ = [
     "median_model_error",
 ]
 
-#: The systems compared; gloo's dense all_reduce is the reference of every speedup.
 #: The omnireduce system whose ranks serve their own aggregator shards (worker.colocated).
 COLOCATED = "omnireduce-colocated"
-SYSTEMS = ("gloo", "gloo-sparse", "omnireduce", "omnireduce-dense", "omnireduce-auto", COLOCATED)
+#: omnireduce of the sparse COO tensor gloo-sparse sums (worker.rows: a row is a block).
+ROWS = "omnireduce-rows"
+#: The same through co-located shards.
+ROWS_COLOCATED = "omnireduce-rows-colocated"
+#: The systems compared; gloo's dense all_reduce is the reference of every speedup.
+SYSTEMS = ("gloo", "gloo-sparse", "omnireduce", "omnireduce-dense", "omnireduce-auto", COLOCATED, ROWS,
+           ROWS_COLOCATED)
+
+
+def is_colocated(system: str) -> bool:
+    """Whether ``system`` runs on shards served by the ranks themselves (no aggregator process)."""
+    return system in (COLOCATED, ROWS_COLOCATED)
+
+
+def is_rows(system: str) -> bool:
+    """Whether ``system`` sums gloo-sparse's COO tensor (sparse in, sparse out) rather than the dense one."""
+    return system in (ROWS, ROWS_COLOCATED)
+
+
+def worker_mode(system: str) -> str:
+    """The worker mode of an omnireduce system: "sparse", "dense" or "auto" (rows need none: sparse)."""
+    variant = system.removeprefix("omnireduce").lstrip("-")
+    return variant if variant in ("dense", "auto") else "sparse"
 #: OmniReduce's microbenchmark densities (fraction of 256-element blocks that are nonzero).
 DENSITIES = (1.0, 0.8, 0.4, 0.2, 0.1, 0.05, 0.02, 0.01)
 
@@ -60,12 +86,14 @@ class RankSpec:
         check: compare every system's result with gloo's dense sum (untimed).
         pattern_block: the block of the nonzero pattern (OmniReduce's 256); it stays put when
             ``block_size`` changes, so that block sizes are compared on the same tensors.
-        sparse_io: time gloo-sparse's conversion to and from the sparse tensor too.
+        sparse_io: time gloo-sparse's (and the rows systems') conversion to and from the sparse
+            tensor too.
         interleave: time the systems round-robin per repetition instead of one after another.
         new_output: time omnireduce's allreduce into a new array; by default it sums in
             place into the same buffer as gloo's all_reduce (refilled untimed).
         colocated_listen: per rank, the endpoint its own aggregator shard listens on
-            ("omnireduce-colocated": every rank serves one shard, worker.colocated).
+            ("omnireduce-colocated", "omnireduce-rows-colocated": every rank serves one
+            shard, worker.colocated).
     """
 
     world_size: int

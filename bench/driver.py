@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from bench.common import COLOCATED, RankSpec
+from bench.common import RankSpec, is_colocated
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ def run_world(
     try:
         addresses = []
         # Co-located ranks serve their own shards: aggregator processes only for the others.
-        dedicated = any(s.startswith("omnireduce") and s != COLOCATED for s in spec.systems)
+        dedicated = any(s.startswith("omnireduce") and not is_colocated(s) for s in spec.systems)
         for k, (listen, prefix) in enumerate(placement.aggregators if dedicated else []):
             agg_log = os.path.join(run_dir, f"aggregator{k}-w{w}.log")
             logs.append(agg_log)
@@ -238,8 +238,8 @@ def add_args(p: Any) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="time the systems round-robin per repetition (fairer on a noisy machine)")
     p.add_argument("--sparse-io", action="store_true",
-                   help="time gloo sparse from the dense tensor to the dense sum (conversions included); "
-                        "by default only the all_reduce of a prebuilt COO tensor is timed")
+                   help="time gloo sparse and the omnireduce-rows systems from the dense tensor to the dense sum "
+                        "(conversions included); by default only the allreduce of a prebuilt COO tensor is timed")
     p.add_argument("--new-output", action="store_true",
                    help="time omnireduce's allreduce into a new array; by default it sums in place into the "
                         "buffer gloo's all_reduce uses (refilled, untimed, before every call of either)")

@@ -144,7 +144,9 @@ def _available(backend: str) -> str | None:
     return None
 
 
-def run(sizes_mb: list[int], backends: list[str], block_size: int, density: float, repeat: int, seed: int) -> list[dict[str, Any]]:
+def run(
+    sizes_mb: list[int], backends: list[str], block_size: int, density: float, repeat: int, seed: int
+) -> list[dict[str, Any]]:
     """Times every backend on every size; returns one row per (size, backend, case)."""
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(seed)

@@ -57,8 +57,8 @@ def _sweep(sweep_args: list[str], out: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args, sweep_args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from bench.calibrate import calibrate
     from omnireduce import config, model
-    from omnireduce.calibrate import calibrate
     from worker.auto import load_costs
 
     path = args.costs or os.environ.get(config.OMNIREDUCE_COSTS) or model.DEFAULT_COSTS_PATH

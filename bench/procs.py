@@ -1,7 +1,8 @@
 """The benchmark's processes: ``python -m bench.procs rank RANK SPEC`` and ``... aggregator LISTEN``.
 
-A rank process times gloo dense, gloo sparse COO and omnireduce (sparse, dense, auto)
-on the same tensors, and rank 0 prints one JSON line per case on stdout. The
+A rank process times gloo dense, gloo sparse COO and omnireduce (sparse, dense, auto;
+and rows: the same COO tensor as gloo sparse) on the same tensors, and rank 0 prints
+one JSON line per case on stdout. The
 aggregator process prints its bound address as a JSON line and serves until its
 stdin is closed. The driver (:mod:`bench.driver`) starts them, on loopback or inside
 network namespaces.
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import COLOCATED, RankSpec, make_tensor
+from bench.common import RankSpec, is_colocated, is_rows, make_tensor, worker_mode
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class _Case:
         self.sparse_io = spec.sparse_io
         self.new_output = spec.new_output
         self.sparse: Any = None
+        self.rows_in: Any = None
 
     def reset_dense(self) -> None:
         self.buf.copy_(self.xt)
@@ -81,11 +83,29 @@ class _Case:
         self.torch.distributed.all_reduce(s)
         return s.to_dense().view(-1)[: self.n] if self.sparse_io else s
 
+    def reset_rows(self) -> None:
+        # The input gloo-sparse gets, built the same way and as fresh (omnireduce leaves
+        # its input alone, but a reused tensor would be warmer in the caches than gloo's).
+        self.rows_in = None if self.sparse_io else self.to_sparse()
+
+    def omnireduce_rows(self, worker: Any) -> Any:
+        """``worker.allreduce`` of gloo-sparse's COO tensor: a coalesced sparse tensor of the union's rows."""
+        s = self.to_sparse() if self.sparse_io else self.rows_in
+        result = worker.allreduce(s)
+        return result.to_dense().view(-1)[: self.n] if self.sparse_io else result
+
     def result_of(self, system: str, result: Any) -> np.ndarray:
         """A system's result as a flat NumPy array (untimed)."""
-        if system == "gloo-sparse" and not self.sparse_io:
+        if (system == "gloo-sparse" or is_rows(system)) and not self.sparse_io:
             result = result.to_dense().view(-1)[: self.n]
         return result.numpy() if isinstance(result, self.torch.Tensor) else result
+
+    def sparse_out(self, system: str, result: Any) -> bool:
+        """Whether a rows system's result is what gloo's sparse all_reduce returns: a coalesced
+        sparse tensor of the input's shape (always true of the other systems)."""
+        if not is_rows(system) or self.sparse_io:
+            return True
+        return bool(result.is_sparse and result.is_coalesced() and tuple(result.shape) == tuple(self.rows.shape))
 
     def omnireduce(self, worker: Any) -> Any:
         # A tensor's density is stable from step to step: auto mode keys its history by case.
@@ -106,7 +126,7 @@ def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] =
     import torch
     import torch.distributed as dist
 
-    from worker import Worker
+    from worker import connect
     from worker.colocated import ColocatedWorker, torch_exchange
 
     torch.set_num_threads(spec.torch_threads)
@@ -114,25 +134,31 @@ def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] =
         "gloo", init_method=f"file://{spec.store}", rank=rank, world_size=spec.world_size,
         timeout=timedelta(seconds=spec.op_timeout),
     )
-    # One worker per omnireduce system: "omnireduce" (sparse), "omnireduce-dense" and
-    # "omnireduce-auto" on the dedicated aggregators; "omnireduce-colocated" (sparse) on
-    # a shard served by every rank's own process.
+    # One worker per omnireduce system: "omnireduce" (sparse), "omnireduce-dense",
+    # "omnireduce-auto" and "omnireduce-rows" on the dedicated aggregators;
+    # "omnireduce-colocated" and "omnireduce-rows-colocated" (sparse) on a shard served
+    # by every rank's own process (one shard per such system and rank).
     workers: dict[str, Any] = {}
+    colocated = 0
     for system in spec.systems:
         if system.startswith("omnireduce"):
             variant = system.partition("-")[2] or "sparse"
             options: dict[str, Any] = dict(
                 rank=rank, world_size=spec.world_size, job=f"bench-{os.path.basename(spec.store)}-{variant}",
                 block_size=spec.block_size, message_blocks=spec.message_blocks, streams=spec.streams,
-                timeout=spec.op_timeout,
+                timeout=spec.op_timeout, mode=worker_mode(system),
             )
-            if system == COLOCATED:
+            if is_colocated(system):
+                listen = spec.colocated_listen[rank]
+                # A second shard in this process: an IPC endpoint is a path, so it needs its own.
+                if colocated and listen.startswith("ipc://"):
+                    listen += f"-{colocated}"
+                colocated += 1
                 workers[system] = ColocatedWorker(
-                    torch_exchange(), listen=spec.colocated_listen[rank], mode="sparse",
-                    aggregator_options={"timeout": spec.op_timeout}, **options,
+                    torch_exchange(), listen=listen, aggregator_options={"timeout": spec.op_timeout}, **options,
                 )
             else:
-                workers[system] = Worker(spec.address, mode=variant, **options)
+                workers[system] = connect(spec.address, **options)
     try:
         for n in spec.sizes:
             for density in spec.densities:
@@ -160,7 +186,9 @@ def _close(workers: list[Any], dist: Any) -> None:
 
 def _runner(case: _Case, system: str, worker: Any) -> tuple[Callable[[], Any], Callable[[], None] | None]:
     """The timed call of a system and what resets its input before each call."""
-    if worker is not None:  # one of the omnireduce systems
+    if worker is not None and is_rows(system):  # gloo-sparse's input, through omnireduce
+        return (lambda: case.omnireduce_rows(worker)), case.reset_rows
+    if worker is not None:  # one of the other omnireduce systems
         return (lambda: case.omnireduce(worker)), (None if case.new_output else case.reset_dense)
     return {"gloo": (case.gloo, case.reset_dense), "gloo-sparse": (case.gloo_sparse, case.reset_sparse)}[system]
 
@@ -218,7 +246,7 @@ def _report(
 
     ok = True
     if ref is not None:
-        ok = bool(np.array_equal(case.result_of(system, result), ref))
+        ok = case.sparse_out(system, result) and bool(np.array_equal(case.result_of(system, result), ref))
     # A case takes as long as its slowest rank.
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -231,7 +259,7 @@ def _report(
             "times": t.tolist(), "ok": bool(flag.item()) if ref is not None else None,
             # Aggregator shards the omnireduce ops were split over: one per rank co-located,
             # else the dedicated ones (a comma-separated address).
-            "shards": spec.world_size if system == COLOCATED
+            "shards": spec.world_size if is_colocated(system)
             else len([a for a in spec.address.split(",") if a]),
         }
         if worker is not None and worker.stats.last is not None:

@@ -60,6 +60,11 @@ VENV = "/opt/venv"
 APP = "/opt/omnireduce"
 LIB = "/usr/lib/x86_64-linux-gnu"
 APP_FILES = ("cluster_worker.py", "healthcheck.py")
+#: The project's packages in the image, and the files taken from each (None: all of them).
+#: Of bench/, only what the ``omnireduce-calibrate`` console script needs (no torch or matplotlib).
+PACKAGES: dict[str, tuple[str, ...] | None] = {
+    "omnireduce": None, "aggregator": None, "worker": None, "bench": ("__init__.py", "calibrate.py"),
+}
 
 # Parts of the standard library a headless numeric service never imports.
 STDLIB_SKIP_DIRS = {
@@ -182,8 +187,8 @@ def inputs_hash(dists: list[str]) -> str:
     for name in dists:
         h.update(f"{name}=={md.version(name)}".encode())
     files = [ROOT / "pyproject.toml", Path(__file__).resolve()] + [ROOT / "docker" / f for f in APP_FILES]
-    for pkg in ("omnireduce", "aggregator", "worker"):
-        files += sorted(p for p in (ROOT / pkg).rglob("*.py"))
+    for pkg, only in PACKAGES.items():
+        files += sorted(p for p in (ROOT / pkg).rglob("*.py")) if only is None else [ROOT / pkg / f for f in only]
     for p in files:
         h.update(str(p.relative_to(ROOT)).encode())
         h.update(p.read_bytes())
@@ -228,8 +233,13 @@ def _make_venv(man: Manifest, deadline: Deadline) -> None:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    for pkg in ("omnireduce", "aggregator", "worker"):
-        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for pkg, only in PACKAGES.items():
+        if only is None:
+            shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (src / pkg).mkdir()
+            for f in only:
+                shutil.copy2(ROOT / pkg / f, src / pkg / f)
     wheels = man.stage.parent / "wheels"
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
           "-w", str(wheels), str(src)], deadline, "pip wheel (the project)")
@@ -247,7 +257,7 @@ def _make_venv(man: Manifest, deadline: Deadline) -> None:
 
 def _elf_files(man: Manifest) -> list[Path]:
     out = []
-    for arc, src in man.files.items():
+    for src in man.files.values():
         if ".so" in src.name:
             out.append(src)
     out.append(_base_python())

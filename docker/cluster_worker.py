@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from omnireduce.errors import OmniReduceError, OpError
-from worker import Worker
+from worker import connect
 from worker.demo import sparse_input
 
 logger = logging.getLogger("cluster_worker")
@@ -77,7 +77,7 @@ def _inputs(rank: int, world: int, op: int, elements: int, density: float) -> tu
 def run(args: argparse.Namespace) -> int:
     """Runs the job; returns the exit status (see the module docstring)."""
     heartbeat = Path(args.heartbeat)
-    with Worker() as w:
+    with connect() as w:
         base = {"rank": w.rank, "world_size": w.world_size, "job": w.job, "address": w.address}
         _emit({"event": "start", **base, "host": os.uname().nodename})
         heartbeat.touch()

@@ -70,7 +70,7 @@ def step_indices(rank: int, step: int, size: int, bounds: tuple[int, int], seed:
 
 def replica(rank: int, args: argparse.Namespace, address: str, mode: str, out: Any) -> None:
     """One replica's training loop; puts its per-epoch times and per-step batch sizes."""
-    from worker import Worker
+    from worker import connect
     from worker.balance import Balancer, batch_sizes
 
     torch.set_num_threads(1)
@@ -83,7 +83,7 @@ def replica(rank: int, args: argparse.Namespace, address: str, mode: str, out: A
     steps_per_epoch = args.samples // args.global_batch
     epoch_times: list[float] = []
     sizes_log: list[list[int]] = []
-    with Worker(address, rank=rank, world_size=args.workers, job=f"hetero-{mode}", timeout=60) as w:
+    with connect(address, rank=rank, world_size=args.workers, job=f"hetero-{mode}", timeout=60) as w:
         balancer = Balancer(w, args.global_batch)
         equal = batch_sizes([1.0] * args.workers, args.global_batch)
         step = 0

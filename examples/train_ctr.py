@@ -68,7 +68,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     aggregator = None
     if "OMNIREDUCE_ADDRESS" not in os.environ:
         address = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{int(os.environ.get('MASTER_PORT', 29500)) + 1}"
@@ -83,10 +83,10 @@ def main() -> None:
     worker = None
     state = None
     if args.hook != "gloo":
-        from worker import Worker
+        from worker import connect
         from worker.ddp import OmniReduceState, omnireduce_hook
 
-        worker = Worker(job="ctr-example")
+        worker = connect(job="ctr-example")
         if args.hook == "auto":
             state = OmniReduceState(worker, dense_group=dist.group.WORLD, mode="auto")
         else:
@@ -106,10 +106,12 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         window += loss.item()
         if (step + 1) % args.log_every == 0 and rank == 0:
-            msg = f"step {step + 1:5d}  loss {window / args.log_every:.4f}  step {1e3 * sorted(times)[len(times) // 2]:.1f} ms"
+            median_ms = 1e3 * sorted(times)[len(times) // 2]
+            msg = f"step {step + 1:5d}  loss {window / args.log_every:.4f}  step {median_ms:.1f} ms"
             if worker is not None:
                 total = worker.stats.total
-                msg += f"  sent {total.bytes_sent / 1e6:.1f} MB of {total.dense_bytes / 1e6:.1f} MB dense ({total.sent_fraction:.1%})"
+                msg += (f"  sent {total.bytes_sent / 1e6:.1f} MB of {total.dense_bytes / 1e6:.1f} MB dense"
+                        f" ({total.sent_fraction:.1%})")
             if state is not None and state.mode == "auto":
                 msg += f"  buckets sparse/dense {state.paths['sparse']}/{state.paths['dense']}"
             print(msg, flush=True)

@@ -58,6 +58,7 @@ __all__ = [
     "DEFAULT_JOB",
     "DEFAULT_HEARTBEAT",
     "DEFAULT_HEARTBEAT_TIMEOUT",
+    "PROBE_DENSE",
     "resolve",
     "resolve_optional",
     "resolve_generation",
@@ -112,6 +113,12 @@ DEFAULT_MODE = "sparse"
 DEFAULT_JOB = "default"
 DEFAULT_HEARTBEAT = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
+
+#: Not a setting: the fraction of probed blocks above which the CPU mask kernel
+#: (:mod:`omnireduce.kernels.cpu`) takes a tensor as mostly dense and stops at each block's
+#: first nonzero word. Here, in a module without Numba, because the cost model
+#: (:mod:`omnireduce.model`) predicts the mask with the same threshold.
+PROBE_DENSE = 0.75
 
 T = TypeVar("T")
 

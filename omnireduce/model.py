@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from omnireduce.kernels.cpu import PROBE_DENSE
+from omnireduce.config import PROBE_DENSE
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ def sparse_estimate(
     # Every stream-round: up to n messages in and n out at the aggregator, 1 in and 1 out at a worker.
     messages = 2.0 * n * stream_rounds
     # The mask kernel reads every word of a tensor unless most of its blocks are nonzero,
-    # when it stops at each block's first nonzero word (kernels.cpu.PROBE_DENSE).
+    # when it stops at each block's first nonzero word (config.PROBE_DENSE).
     mask = size * max(p.mask_dense_s_per_byte if d > PROBE_DENSE else p.mask_s_per_byte for d in dens)
     # A fresh result (worker.op.lazy_zeros): below 30% of 4 KiB pages written, a lazy mapping
     # faults in each page a union block lands on; above, huge pages zero the whole tensor.

@@ -30,7 +30,7 @@ import math
 import sys
 from dataclasses import MISSING, dataclass, fields
 from enum import IntEnum
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
@@ -213,7 +213,7 @@ class Bye:
     rank: int
 
 
-Message = Union[Hello, Bye, Start, Blocks, Result, Error]
+Message = Hello | Bye | Start | Blocks | Result | Error
 _CLASSES: dict[int, type] = {c.TYPE: c for c in (Hello, Bye, Start, Blocks, Result, Error)}
 _FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {
     c: tuple((f.name, f.type) for f in fields(c)) for c in _CLASSES.values()

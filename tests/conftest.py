@@ -1,14 +1,19 @@
+"""Fixtures shared by the tests; helpers (functions) are in :mod:`tests.helpers`."""
+
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path
 
-import numpy as np
 import pytest
 
 from aggregator import Aggregator
+from omnireduce import auth
+
+# Re-exported for test modules that import them from here (tests/test_integers.py, tests/test_rows.py);
+# new code imports them from tests.helpers.
+from tests.helpers import run_ranks, sparse  # noqa: F401
 
 
 @pytest.fixture
@@ -21,37 +26,36 @@ def aggregator() -> Iterator[Aggregator]:
         agg.close()
 
 
+@pytest.fixture
+def shards() -> Iterator[list[Aggregator]]:
+    """Three aggregators on free loopback ports; a test uses the first N of them."""
+    aggs: list[Aggregator] = []
+    try:
+        for _ in range(3):
+            aggs.append(Aggregator(listen="tcp://127.0.0.1:0", timeout=20.0).start())
+        yield aggs
+    finally:
+        for a in aggs:
+            a.close()
+
+
 @pytest.fixture(autouse=True)
 def _log_level(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
 
 
-def sparse(rng: np.random.Generator, n: int, density: float, block: int = 256, dtype=np.float32) -> np.ndarray:
-    """Integer-valued random blocks (so sums are exact) with a ``density`` fraction of blocks nonzero."""
-    nb = -(-n // block) if n else 0
-    x = np.zeros(nb * block, dtype=dtype)
-    keep = rng.random(nb) < density
-    x.reshape(nb, block)[keep] = rng.integers(-50, 51, size=(int(keep.sum()), block)).astype(dtype)
-    return x[:n]
-
-
-def run_ranks(world: int, fn: Callable[[int], Any], timeout: float = 60) -> list[Any]:
-    """Runs fn(rank) on one thread per rank; returns results, re-raising the first error."""
-    results: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def target(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as e:  # noqa: BLE001 - handed to the test thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-        assert not t.is_alive(), "rank thread hung"
-    if errors:
-        raise errors[0]
-    return results
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """CURVE key files (``omnireduce-keygen``): the aggregator's pair, two allowed workers, a stranger."""
+    root = tmp_path_factory.mktemp("keys")
+    assert auth.main([str(root / "server"), "aggregator"]) == 0
+    assert auth.main([str(root / "workers"), "w0", "w1"]) == 0
+    assert auth.main([str(root / "strangers"), "eve"]) == 0
+    return {
+        "server_secret": root / "server" / "aggregator.key_secret",
+        "server_public": root / "server" / "aggregator.key",
+        "allowed": root / "workers",
+        "w0": root / "workers" / "w0.key_secret",
+        "w1": root / "workers" / "w1.key_secret",
+        "eve": root / "strangers" / "eve.key_secret",
+    }

@@ -30,18 +30,12 @@ from typing import Any
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT, sparse
 
 
 def tensor(seed: int, rank: int, n: int) -> np.ndarray:
     """A sparse float32 input with integer values (sums are exact), distinct per seed and rank."""
-    rng = np.random.default_rng(seed * 1000 + rank)
-    x = np.zeros(n, np.float32)
-    nb = -(-n // 256)
-    keep = np.flatnonzero(rng.random(nb) < 0.3)
-    for b in keep:
-        x[b * 256 : (b + 1) * 256] = rng.integers(-20, 21, size=len(x[b * 256 : (b + 1) * 256]))
-    return x
+    return sparse(np.random.default_rng(seed * 1000 + rank), n, 0.3, low=-20, high=20)
 
 
 def expected(seed: int, world: int, n: int) -> np.ndarray:

@@ -1,6 +1,5 @@
 """The benchmarks' code: each benchmark runs on a tiny size and writes its files; the cluster
-topology is created and removed (where root and ``ip netns`` are available); and the data-path
-changes made for the benchmarks (zero-copy dense rounds, one-pass sums, lazy and in-place results)."""
+topology is created and removed (where root and ``ip netns`` are available)."""
 
 from __future__ import annotations
 
@@ -15,15 +14,19 @@ import numpy as np
 import pytest
 
 from bench import cluster
-from bench.common import format_table, make_tensor, parse_size, row_from_event, write_outputs
-from omnireduce import blocks
-from omnireduce.dtypes import DType
-from omnireduce.errors import ConfigError
-from omnireduce.layout import Layout
-from tests.loopback import run_allreduce
-from worker.op import WorkerOp, lazy_zeros
+from bench.common import (
+    SYSTEMS,
+    format_table,
+    is_colocated,
+    is_rows,
+    make_tensor,
+    parse_size,
+    row_from_event,
+    worker_mode,
+    write_outputs,
+)
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NO_CLUSTER = cluster.preflight()
 
 
@@ -141,6 +144,38 @@ def test_allreduce_benchmark_interleaved_modes(tmp_path) -> None:
     assert sent[("omnireduce-dense", 0.05)] > 0.95 and sent[("omnireduce", 0.05)] < 0.2
 
 
+def test_system_kinds() -> None:
+    kinds = {s: (worker_mode(s), is_colocated(s), is_rows(s)) for s in SYSTEMS if s.startswith("omnireduce")}
+    assert kinds == {
+        "omnireduce": ("sparse", False, False), "omnireduce-dense": ("dense", False, False),
+        "omnireduce-auto": ("auto", False, False), "omnireduce-colocated": ("sparse", True, False),
+        "omnireduce-rows": ("sparse", False, True), "omnireduce-rows-colocated": ("sparse", True, True),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("flags", [["--interleave"], ["--sparse-io", "--transport", "ipc"]],
+                         ids=["coo", "sparse-io-ipc"])
+def test_allreduce_benchmark_rows(tmp_path, flags: list[str]) -> None:
+    # gloo's sparse all_reduce and omnireduce's of the same prebuilt COO tensor (sparse in,
+    # sparse out; checked against the dense sum), dedicated and co-located; two co-located
+    # shards in one process (the IPC endpoints must differ).
+    out = str(tmp_path / "out")
+    systems = ["gloo-sparse", "omnireduce-rows", "omnireduce-rows-colocated", "omnireduce-colocated"]
+    res = _bench("bench.allreduce", out, "--systems", *systems, "--no-plot", *flags)
+    assert res.returncode == 0, res.stdout + res.stderr
+    with open(os.path.join(out, "results.json")) as f:
+        rows = json.load(f)["rows"]
+    assert sorted((r["system"], r["density"]) for r in rows) == sorted((s, d) for s in systems for d in (1.0, 0.05))
+    assert all(r["ok"] is True and len(r["times"]) == 2 for r in rows), rows
+    sent = {(r["system"], r["density"]): r["sent_fraction"] for r in rows if r["system"] != "gloo-sparse"}
+    # Rows in: only the nonzero rows go out (20,000 elements: 79 rows, 4 of them at 5%).
+    assert sent[("omnireduce-rows", 0.05)] < 0.2 and sent[("omnireduce-rows-colocated", 0.05)] < 0.2
+    shards = {r["system"]: r["shards"] for r in rows}
+    assert shards["omnireduce-rows"] == 1 and shards["omnireduce-rows-colocated"] == 2
+
+
 def test_topology_rejects_addresses_outside_the_benchmark_range() -> None:
     for subnet in ("10.0.0.0/24", "192.168.1.0/24", "172.16.0.0/24", "198.20.0.0/24"):
         with pytest.raises(ValueError, match="198.18.0.0/15"):
@@ -236,69 +271,3 @@ def test_cluster_benchmark_cleans_up_when_terminated(tmp_path) -> None:
     links = [ln for ln in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
              .splitlines() if f" {tag}" in ln]
     assert left == [] and links == [], output
-
-def test_gather_view_and_scatter_slice_for_consecutive_blocks() -> None:
-    layout = Layout(10 * 8 + 3, 8, 4, 2)  # 11 blocks, the last one 3 elements
-    x = np.arange(layout.length, dtype=np.float32)
-    for ids in (np.array([2, 3, 4]), np.array([8, 9, 10]), np.array([5])):
-        view = blocks.gather(x, ids, layout, copy=False)
-        assert np.shares_memory(view, x)
-        np.testing.assert_array_equal(view, blocks.gather(x, ids, layout))
-        out = np.zeros_like(x)
-        blocks.scatter(out, ids, view, layout)
-        ref = np.zeros_like(x)
-        for i in ids:
-            ref[i * 8 : (i + 1) * 8] = x[i * 8 : (i + 1) * 8]
-        np.testing.assert_array_equal(out, ref)
-    for ids in (np.array([4, 2, 3]), np.array([1, 3]), np.array([0, 2, 1, 3])):
-        assert not np.shares_memory(blocks.gather(x, ids, layout, copy=False), x)
-    assert blocks.contiguous_start(np.array([7, 8, 9])) == 7
-    assert blocks.contiguous_start(np.array([9, 7, 8])) is None
-    assert blocks.contiguous_start(np.array([], dtype=np.int64)) is None
-
-
-def test_lazy_zeros() -> None:
-    sparse = lazy_zeros(1 << 21, np.float32, written=0.05)
-    dense = lazy_zeros(1 << 21, np.float32, written=0.9)
-    small = lazy_zeros(100, np.float64, written=0.0)
-    for a, n, dt in ((sparse, 1 << 21, np.float32), (dense, 1 << 21, np.float32), (small, 100, np.float64)):
-        assert a.shape == (n,) and a.dtype == dt and a.flags.writeable and not a.any()
-    assert sparse.base is not None and dense.base is None  # a mapping only where few pages are written
-    sparse[12345] = 1.5
-    assert sparse.sum() == 1.5
-
-
-@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.FLOAT64, DType.FLOAT16])
-@pytest.mark.parametrize("inplace", [False, True])
-def test_dense_and_sparse_workers_mixed_sum_exactly(dtype: DType, inplace: bool) -> None:
-    # A dense worker, a sparse one and an empty one: rounds mix whole payloads (summed in
-    # one pass) with partial ones (summed by row), and the short last block is in play.
-    rng = np.random.default_rng(7)
-    layout = Layout(40 * 16 + 5, 16, 8, 2)
-    st = dtype.storage
-    dense = rng.integers(-9, 10, layout.length).astype(st)
-    sparse = make_tensor(layout.length, 0.2, 16, rng).astype(st)
-    inputs = [dense, sparse, np.zeros(layout.length, st)]
-    want = sum(x.astype(np.float64) for x in inputs)
-    _, ops, engine = run_allreduce([x.copy() for x in inputs] if inplace else inputs, dtype, layout.block_size,
-                                   layout.message_blocks, layout.streams, inplace=inplace)
-    assert engine.active_ops == 0
-    for op in ops:
-        np.testing.assert_array_equal(op.out.astype(np.float64), want)
-        assert (op.out is op.flat) == inplace
-    assert ops[0].out.tobytes() == ops[1].out.tobytes() == ops[2].out.tobytes()
-
-
-def test_single_worker_dense_result_is_its_input() -> None:
-    layout = Layout(64 * 8, 8, 8, 2)
-    x = np.random.default_rng(3).standard_normal(layout.length).astype(np.float32)
-    _, (op,), engine = run_allreduce([x], DType.FLOAT32, layout.block_size, layout.message_blocks, layout.streams)
-    assert engine.active_ops == 0
-    np.testing.assert_array_equal(op.out, x)
-
-
-def test_inplace_needs_a_writeable_tensor() -> None:
-    x = np.ones(64, np.float32)
-    x.flags.writeable = False
-    with pytest.raises(ConfigError, match="writeable"):
-        WorkerOp("j", 0, 1, 0, x, DType.FLOAT32, Layout(64, 8, 8, 1), inplace=True)

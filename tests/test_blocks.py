@@ -7,6 +7,7 @@ from omnireduce import blocks, kernels
 from omnireduce.dtypes import DType, from_accumulator, to_accumulator
 from omnireduce.errors import ConfigError
 from omnireduce.layout import INF, Layout
+from tests.helpers import sparse
 
 MASKS = [blocks.block_mask_numpy, blocks.block_mask]
 if kernels.HAVE_NUMBA:
@@ -44,7 +45,7 @@ def test_mask_bfloat16_bits() -> None:
 @pytest.mark.parametrize("n", [1, 255, 256, 257, 70_000, 1 << 17])
 def test_numba_equals_numpy(n) -> None:
     rng = np.random.default_rng(n)
-    x = np.where(rng.random(n) < 0.002, rng.standard_normal(n), 0).astype(np.float32)
+    x = sparse(rng, n, 0.002, block=1, normal=True)
     x[rng.integers(0, n)] = np.nan
     for bs in (1, 7, 256):
         np.testing.assert_array_equal(blocks.block_mask(x, bs), blocks.block_mask_numpy(x, bs))
@@ -114,3 +115,23 @@ def test_next_table_refuses_a_mask_of_another_length() -> None:
     layout = Layout(100_000, 4, 64, 2)
     with pytest.raises(ConfigError, match="mask has"):
         blocks.next_table(np.zeros(layout.num_blocks + 1, bool), layout)
+
+
+def test_gather_view_and_scatter_slice_for_consecutive_blocks() -> None:
+    layout = Layout(10 * 8 + 3, 8, 4, 2)  # 11 blocks, the last one 3 elements
+    x = np.arange(layout.length, dtype=np.float32)
+    for ids in (np.array([2, 3, 4]), np.array([8, 9, 10]), np.array([5])):
+        view = blocks.gather(x, ids, layout, copy=False)
+        assert np.shares_memory(view, x)
+        np.testing.assert_array_equal(view, blocks.gather(x, ids, layout))
+        out = np.zeros_like(x)
+        blocks.scatter(out, ids, view, layout)
+        ref = np.zeros_like(x)
+        for i in ids:
+            ref[i * 8 : (i + 1) * 8] = x[i * 8 : (i + 1) * 8]
+        np.testing.assert_array_equal(out, ref)
+    for ids in (np.array([4, 2, 3]), np.array([1, 3]), np.array([0, 2, 1, 3])):
+        assert not np.shares_memory(blocks.gather(x, ids, layout, copy=False), x)
+    assert blocks.contiguous_start(np.array([7, 8, 9])) == 7
+    assert blocks.contiguous_start(np.array([9, 7, 8])) is None
+    assert blocks.contiguous_start(np.array([], dtype=np.int64)) is None

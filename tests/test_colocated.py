@@ -12,38 +12,17 @@ import zmq
 
 from aggregator import Aggregator
 from omnireduce import ConfigError, OmniReduceError
-from tests.conftest import run_ranks
-from tests.test_security import keys  # noqa: F401 - the CURVE key files fixture
+from tests.helpers import ThreadExchange, run_ranks, sparse
 from worker import Worker
 from worker.colocated import ColocatedWorker
 
 SMALL = dict(block_size=16, message_blocks=4, streams=2, timeout=20)
 
 
-class ThreadExchange:
-    """An all-gather of shard addresses among rank threads of one process."""
-
-    def __init__(self, world: int) -> None:
-        self.addresses: list[Any] = [None] * world
-        self._barrier = threading.Barrier(world, timeout=20)
-
-    def __call__(self, rank: int) -> Any:
-        def exchange(address: str) -> list[str]:
-            self.addresses[rank] = address
-            self._barrier.wait()
-            return list(self.addresses)
-
-        return exchange
-
-
 def _inputs(world: int, n: int, density: float, seed: int) -> list[np.ndarray]:
     """Small integers in random 16-element blocks: every float sum is exact."""
     rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(world):
-        keep = np.repeat(rng.random(-(-n // 16)) < density, 16)[:n]
-        out.append(np.where(keep, rng.integers(-50, 50, n), 0).astype(np.float32))
-    return out
+    return [sparse(rng, n, density, block=16) for _ in range(world)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -1,8 +1,9 @@
 """The compose cluster (docker/compose.yaml) on a real Docker engine.
 
 ``scripts/docker_engine.sh`` installs Debian's docker.io and docker-compose if needed and
-starts ``dockerd`` (vfs storage, no iptables, no docker0 bridge); the tests are skipped,
-with the script's reason, only when no engine can be made to answer. The image is built
+starts ``dockerd`` (vfs storage, no iptables, no docker0 bridge); when no engine can be
+made to answer, the tests are skipped with the script's reason, except under CI
+(``CI=true``, as CI services set it), where they fail: CI must run them. The image is built
 locally with no registry (``docker/build_local_image.py``), the services run on a
 network whose subnet is a free /24 inside 198.18.0.0/15, and the project, its network
 and the image are removed afterwards, also when a test fails. The project name and
@@ -28,7 +29,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -73,19 +74,31 @@ class Engine:
     compose: list[str]
 
 
+def _in_ci() -> bool:
+    """True under CI (``CI=true``; also ``1`` or ``yes``)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _no_engine(reason: str) -> NoReturn:
+    """No Docker engine: skips the cluster tests, or fails them under CI, which must run them."""
+    if _in_ci():
+        pytest.fail(f"CI is set, so the Docker cluster tests must run, but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     if shutil.which("bash") is None:
-        pytest.skip("no bash to run scripts/docker_engine.sh")
+        _no_engine("there is no bash to run scripts/docker_engine.sh")
     was_up = subprocess.run(["bash", "scripts/docker_engine.sh", "status"], cwd=ROOT,
                             capture_output=True, timeout=30).returncode == 0
     try:
         res = subprocess.run(["bash", "scripts/docker_engine.sh", "start"], cwd=ROOT, capture_output=True,
                              text=True, timeout=420)
     except subprocess.TimeoutExpired:
-        pytest.skip("no Docker engine: scripts/docker_engine.sh start took over 420 s")
+        _no_engine("no Docker engine: scripts/docker_engine.sh start took over 420 s")
     if res.returncode != 0:
-        pytest.skip(f"no Docker engine could be started: {res.stderr.strip()[-1500:]}")
+        _no_engine(f"no Docker engine could be started: {res.stderr.strip()[-1500:]}")
     if subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0:
         compose = ["docker", "compose"]
     else:
@@ -97,6 +110,17 @@ def engine() -> Iterator[Engine]:
     finally:
         if not was_up and not os.environ.get("OMNIREDUCE_KEEP_DOCKER"):
             subprocess.run(["bash", "scripts/docker_engine.sh", "stop"], cwd=ROOT, capture_output=True, timeout=60)
+
+
+@pytest.mark.parametrize("ci", ["true", "TRUE", "1", "", "false", None])
+def test_a_missing_engine_fails_under_ci_and_skips_elsewhere(monkeypatch: pytest.MonkeyPatch, ci: str | None) -> None:
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    expected = pytest.fail.Exception if ci in ("true", "TRUE", "1") else pytest.skip.Exception
+    with pytest.raises(expected, match="dockerd did not answer"):
+        _no_engine("no Docker engine could be started: dockerd did not answer")
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import numpy as np
@@ -9,27 +10,14 @@ import pytest
 
 from aggregator.engine import Engine
 from omnireduce.dtypes import DType, from_accumulator, to_accumulator
-from omnireduce.errors import OmniReduceError
+from omnireduce.errors import ConfigError, OmniReduceError
 from omnireduce.layout import Layout
-from omnireduce.protocol import Blocks, Error, ErrorCode, Result, Start, decode, encode
-from tests.conftest import sparse
-from tests.loopback import peer_of, run_allreduce, wire
-from worker.op import WorkerOp
+from omnireduce.protocol import Blocks, Error, ErrorCode, Hello, Result, Start, decode, encode
+from tests.helpers import error_replies, errors_by_peer, peer_of, run_allreduce, sparse, start_frames, wire
+from worker.op import WorkerOp, lazy_zeros
 
-
-def _start(rank: int, world: int, length: int, op: int = 0, job: str = "j", **kw) -> list[bytes]:
-    layout = Layout(length, kw.get("block_size", 4), kw.get("message_blocks", 2), kw.get("streams", 2))
-    x = np.ones(length, np.float32)
-    return wire(WorkerOp(job, rank, world, op, x, DType.FLOAT32, layout).start())
-
-
-def _errors(out) -> dict[bytes, Error]:
-    got = {}
-    for peer, frames in out:
-        msg, _ = decode(wire(frames))
-        assert isinstance(msg, Error)
-        got[peer] = msg
-    return got
+#: START frames of this module's small layout (blocks of 4, 2 columns per stream, 2 streams).
+_start = functools.partial(start_frames, block_size=4, message_blocks=2, streams=2)
 
 
 @pytest.mark.parametrize("world", [1, 2, 5])
@@ -52,7 +40,7 @@ def test_exact_sum_and_only_nonzero_blocks_sent(world: int, length: int) -> None
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 def test_float_sums_match_rank_ordered_reference(dtype) -> None:
     rng = np.random.default_rng(7)
-    inputs = [np.where(rng.random(999) < 0.5, rng.standard_normal(999), 0).astype(dtype) for _ in range(4)]
+    inputs = [sparse(rng, 999, 0.5, block=1, dtype=dtype, normal=True) for _ in range(4)]
     outs, _, _ = run_allreduce(inputs, DType.of_numpy(np.dtype(dtype)), block_size=8, message_blocks=5, streams=3)
     acc = DType.of_numpy(np.dtype(dtype)).accumulator
     ref = inputs[0].astype(acc)
@@ -97,16 +85,24 @@ def test_length_mismatch_fails_every_worker_of_the_op() -> None:
     engine = Engine()
     assert engine.handle(peer_of(0), _start(0, 3, 100)) == []
     out = engine.handle(peer_of(1), _start(1, 3, 101))
-    errs = _errors(out)
+    errs = errors_by_peer(out)
     assert set(errs) == {peer_of(0), peer_of(1)}
     assert all(e.code == ErrorCode.MISMATCH and "length: 100 vs 101" in e.message for e in errs.values())
     # The third worker arrives late and learns the same.
-    late = _errors(engine.handle(peer_of(2), _start(2, 3, 100)))
+    late = errors_by_peer(engine.handle(peer_of(2), _start(2, 3, 100)))
     assert late[peer_of(2)].code == ErrorCode.MISMATCH
     assert engine.active_ops == 0
     # The daemon goes on: the next op works.
     outs, _, _ = run_allreduce([np.ones(10, np.float32)] * 3, DType.FLOAT32, op=1, engine=engine)
     np.testing.assert_array_equal(outs[0], np.full(10, 3, np.float32))
+
+
+def test_start_for_a_job_of_another_size_is_a_mismatch() -> None:
+    engine = Engine()
+    engine.handle(peer_of(0), wire(encode(Hello("j", 0, 2, 0, ""))))
+    frames = wire(encode(Start("j", 1, 3, 0, 8, int(DType.FLOAT32), 8, 1, 1), np.zeros(1, np.int64)))
+    (_, code, message), = error_replies(engine.handle(peer_of(1), frames))
+    assert code == ErrorCode.MISMATCH and "the job has 2" in message
 
 
 def test_timeout_names_missing_ranks() -> None:
@@ -117,7 +113,7 @@ def test_timeout_names_missing_ranks() -> None:
     now[0] = 4.9
     assert engine.expire() == []
     now[0] = 5.1
-    errs = _errors(engine.expire())
+    errs = errors_by_peer(engine.expire())
     assert set(errs) == {peer_of(0), peer_of(2)}
     assert errs[peer_of(0)].code == ErrorCode.TIMEOUT and errs[peer_of(0)].ranks == [1]
     assert engine.active_ops == 0
@@ -140,14 +136,14 @@ def test_blocks_for_unknown_op_and_out_of_turn() -> None:
     engine.handle(peer_of(0), _start(0, 2, 8))
     engine.handle(peer_of(1), _start(1, 2, 8))
     # Round 1 before round 0 completed is a protocol violation that fails the op on both workers.
-    errs = _errors(engine.handle(peer_of(0), wire(encode(Blocks("j", 0, 0, 0, 1), np.zeros(0, np.int64), b""))))
+    errs = errors_by_peer(engine.handle(peer_of(0), wire(encode(Blocks("j", 0, 0, 0, 1), np.zeros(0, np.int64), b""))))
     assert set(errs) == {peer_of(0), peer_of(1)} and all(e.code == ErrorCode.PROTOCOL for e in errs.values())
 
 
 def test_pointer_outside_column_fails_op() -> None:
     engine = Engine()
     bad = encode(Start("j", 0, 2, 0, 16, int(DType.FLOAT32), 4, 2, 2), np.array([1, 1, 2, 3], np.int64))
-    errs = _errors(engine.handle(peer_of(0), wire(bad)))
+    errs = errors_by_peer(engine.handle(peer_of(0), wire(bad)))
     assert "outside its columns" in errs[peer_of(0)].message
 
 
@@ -177,3 +173,54 @@ def test_worker_refuses_an_instruction_that_skips_one_of_its_blocks() -> None:
         op().on_result(*result([4, 5]))  # column 1 asked for block 4: block 1 skipped
     with pytest.raises(OmniReduceError, match="column order"):
         op().on_result(*result([5, 1]))
+
+
+# The worker op's data path: zero-copy dense rounds, one-pass sums, lazy and in-place results.
+
+
+def test_lazy_zeros() -> None:
+    few = lazy_zeros(1 << 21, np.float32, written=0.05)
+    dense = lazy_zeros(1 << 21, np.float32, written=0.9)
+    small = lazy_zeros(100, np.float64, written=0.0)
+    for a, n, dt in ((few, 1 << 21, np.float32), (dense, 1 << 21, np.float32), (small, 100, np.float64)):
+        assert a.shape == (n,) and a.dtype == dt and a.flags.writeable and not a.any()
+    assert few.base is not None and dense.base is None  # a mapping only where few pages are written
+    few[12345] = 1.5
+    assert few.sum() == 1.5
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.FLOAT64, DType.FLOAT16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dense_and_sparse_workers_mixed_sum_exactly(dtype: DType, inplace: bool) -> None:
+    # A dense worker, a sparse one and an empty one: rounds mix whole payloads (summed in
+    # one pass) with partial ones (summed by row), and the short last block is in play.
+    rng = np.random.default_rng(7)
+    layout = Layout(40 * 16 + 5, 16, 8, 2)
+    st = dtype.storage
+    dense = rng.integers(-9, 10, layout.length).astype(st)
+    sparse_x = sparse(rng, layout.length, 0.2, block=16, dtype=st)
+    assert 0 < np.count_nonzero(sparse_x) < layout.length // 2
+    inputs = [dense, sparse_x, np.zeros(layout.length, st)]
+    want = sum(x.astype(np.float64) for x in inputs)
+    _, ops, engine = run_allreduce([x.copy() for x in inputs] if inplace else inputs, dtype, layout.block_size,
+                                   layout.message_blocks, layout.streams, inplace=inplace)
+    assert engine.active_ops == 0
+    for op in ops:
+        np.testing.assert_array_equal(op.out.astype(np.float64), want)
+        assert (op.out is op.flat) == inplace
+    assert ops[0].out.tobytes() == ops[1].out.tobytes() == ops[2].out.tobytes()
+
+
+def test_single_worker_dense_result_is_its_input() -> None:
+    layout = Layout(64 * 8, 8, 8, 2)
+    x = np.random.default_rng(3).standard_normal(layout.length).astype(np.float32)
+    _, (op,), engine = run_allreduce([x], DType.FLOAT32, layout.block_size, layout.message_blocks, layout.streams)
+    assert engine.active_ops == 0
+    np.testing.assert_array_equal(op.out, x)
+
+
+def test_inplace_needs_a_writeable_tensor() -> None:
+    x = np.ones(64, np.float32)
+    x.flags.writeable = False
+    with pytest.raises(ConfigError, match="writeable"):
+        WorkerOp("j", 0, 1, 0, x, DType.FLOAT32, Layout(64, 8, 8, 1), inplace=True)

@@ -32,7 +32,7 @@ from aggregator.limits import Limits
 from omnireduce.dtypes import DType
 from omnireduce.layout import INF, Layout
 from omnireduce.protocol import PROTOCOL_VERSION, Error, ErrorCode, Hello, MsgType, Result, Start, decode, encode
-from tests.loopback import run_allreduce, wire
+from tests.helpers import run_allreduce, sparse, wire
 from worker import Worker
 
 SMALL = Limits(
@@ -174,7 +174,7 @@ def test_fuzz_engine_then_a_legitimate_job() -> None:
     assert (engine.active_ops, engine.held_bytes, engine.active_jobs) == (0, 0, 0)
     # And the engine still sums right.
     rng = np.random.default_rng(0)
-    xs = [np.where(rng.random(3000) < 0.3, rng.integers(-9, 10, 3000), 0).astype(np.float32) for _ in range(3)]
+    xs = [sparse(rng, 3000, 0.3, block=1, low=-9, high=9) for _ in range(3)]
     outs, _, _ = run_allreduce(xs, DType.FLOAT32, block_size=16, job="legit", engine=engine)
     for out in outs:
         np.testing.assert_array_equal(out, xs[0] + xs[1] + xs[2])
@@ -237,7 +237,7 @@ def small_daemon() -> Iterator[Daemon]:
 
 def _legit_job(address: str, job: str) -> None:
     rng = np.random.default_rng(1)
-    xs = [np.where(rng.random(50_000) < 0.2, rng.integers(-9, 10, 50_000), 0).astype(np.float32) for _ in range(2)]
+    xs = [sparse(rng, 50_000, 0.2, block=1, low=-9, high=9) for _ in range(2)]
     ws = [
         Worker(address, rank=r, world_size=2, job=job, timeout=30, block_size=64, message_blocks=64) for r in range(2)
     ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,7 @@ from omnireduce.layout import Layout
 from omnireduce.protocol import Error, ErrorCode, Start, decode, encode
 from tests.conftest import run_ranks
 from tests.loopback import peer_of, run_allreduce, wire
-from worker import Worker
+from worker import Worker, connect
 from worker.op import WorkerOp
 
 INTS = [np.int8, np.uint8, np.int16, np.int32, np.int64]
@@ -319,25 +318,13 @@ def test_torch_integer_tensors(aggregator: Aggregator) -> None:
             w.allreduce(torch.zeros(4, dtype=torch.bool))
 
 
-@pytest.fixture
-def two_shards() -> Iterator[list[Aggregator]]:
-    aggs: list[Aggregator] = []
-    try:
-        for _ in range(2):
-            aggs.append(Aggregator(listen="tcp://127.0.0.1:0", timeout=20.0).start())
-        yield aggs
-    finally:
-        for a in aggs:
-            a.close()
-
-
-def test_sharded_integer_sums(two_shards: list[Aggregator]) -> None:
+def test_sharded_integer_sums(shards: list[Aggregator]) -> None:
     rng = np.random.default_rng(12)
-    addresses = [a.address for a in two_shards]
+    addresses = [a.address for a in shards[:2]]
     inputs = [[_ints(rng, 4099, np.int32, 0.4, 16), _ints(rng, 1000, np.int64, 1.0, 16)] for _ in range(2)]
 
     def rank(r: int) -> list[np.ndarray]:
-        with Worker(addresses, rank=r, world_size=2, job="sharded-int", block_size=16, timeout=20) as w:
+        with connect(addresses, rank=r, world_size=2, job="sharded-int", block_size=16, timeout=20) as w:
             if r == 1:
                 with pytest.raises(ConfigError, match="weight"):
                     w.allreduce(inputs[r][0], weight=1.0)

@@ -1,7 +1,7 @@
 """The Numba CPU kernels (mask with threshold, compaction, scatter) against plain NumPy references.
 
 The references here compare floats as floats (``abs(x) <= t``), independently of
-the kernels' bit-pattern arithmetic; :mod:`tests.test_kernels_cuda` reuses them.
+the kernels' bit-pattern arithmetic (:mod:`tests.helpers`, shared with :mod:`tests.test_kernels_cuda`).
 """
 
 from __future__ import annotations
@@ -12,82 +12,22 @@ import numpy as np
 import pytest
 
 from omnireduce import blocks, kernels
-from omnireduce.dtypes import DType, from_accumulator
 from omnireduce.errors import ConfigError
-from omnireduce.layout import Layout
+from tests.helpers import (
+    make_case,
+    ref_compact,
+    ref_mask,
+    ref_scatter,
+    ref_zeroed,
+    rounded_threshold,
+    same_bits,
+    values_of,
+)
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba is not installed")
 
 #: Storage dtypes of the element types; uint16 holds bfloat16 bit patterns.
 DTYPES = [np.float32, np.float16, np.float64, np.uint16]
-_MAX = {np.dtype(np.float32): np.finfo(np.float32).max, np.dtype(np.float16): np.finfo(np.float16).max,
-        np.dtype(np.float64): np.finfo(np.float64).max}
-
-
-def values_of(x: np.ndarray) -> np.ndarray:
-    """The float values of a storage array (bfloat16 bits widened to float32)."""
-    if x.dtype == np.uint16:
-        return (x.astype(np.uint32) << 16).view(np.float32)
-    return x
-
-
-def rounded_threshold(threshold: float, dtype: np.dtype) -> float:
-    """The threshold in the element type (nearest; bfloat16 via float32), capped at the largest finite value."""
-    dtype = np.dtype(dtype)
-    with np.errstate(over="ignore"):
-        if dtype == np.uint16:
-            bits = from_accumulator(np.array([threshold], np.float32), DType.BFLOAT16)
-            t = float(values_of(bits)[0])
-            return t if np.isfinite(t) else float(values_of(np.array([0x7F7F], np.uint16))[0])
-        t = float(dtype.type(threshold))
-    return t if np.isfinite(t) else float(_MAX[dtype])
-
-
-def ref_mask(x: np.ndarray, block_size: int, threshold: float = 0.0) -> np.ndarray:
-    """Reference mask: a block is nonzero if any ``not (|x| <= t)`` (so NaN counts)."""
-    n = len(x)
-    nb = -(-n // block_size)
-    nz = ~(np.abs(values_of(x)) <= rounded_threshold(threshold, x.dtype))
-    pad = np.zeros(nb * block_size, bool)
-    pad[:n] = nz
-    return pad.reshape(nb, block_size).any(1)
-
-
-def ref_zeroed(x: np.ndarray, mask: np.ndarray, block_size: int, threshold: float) -> np.ndarray:
-    """What the kernels leave in ``x``: with a positive threshold, zero blocks are set to 0."""
-    out = x.copy()
-    if threshold > 0:
-        for b in np.flatnonzero(~mask):
-            out[b * block_size : (b + 1) * block_size] = 0
-    return out
-
-
-def ref_compact(x: np.ndarray, mask: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    ids = np.flatnonzero(mask)
-    return ids, blocks.gather(x, ids, Layout(len(x), block_size, 1, 1))
-
-
-def ref_scatter(n: int, ids: np.ndarray, payload: np.ndarray, block_size: int) -> np.ndarray:
-    out = np.zeros(n, payload.dtype)
-    blocks.scatter(out, ids, payload, Layout(n, block_size, 1, 1))
-    return out
-
-
-def make_case(rng: np.random.Generator, n: int, dtype: type, density: float = 0.05) -> np.ndarray:
-    """Sparse random data with NaN, +-Inf, -0.0, subnormals and small values sprinkled in."""
-    vals = np.where(rng.random(n) < density, rng.standard_normal(n) * 10.0 ** rng.integers(-3, 3, n), 0.0)
-    vals = vals.astype(np.float32)
-    k = max(1, n // 50) if n else 0
-    for special in (np.nan, np.inf, -np.inf, -0.0, 1e-45, 1e-3):
-        vals[rng.integers(0, n, size=k // 6 + 1) if n else []] = special
-    if dtype is np.uint16:
-        return (vals.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bfloat16
-    with np.errstate(over="ignore"):
-        return vals.astype(dtype)
-
-
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bool((a.view(np.uint8) == b.view(np.uint8)).all())
 
 
 CASES = [(n, bs) for n in (0, 1, 7, 255, 256, 257, 1000, 70_001) for bs in (1, 3, 8, 256)]
@@ -200,7 +140,8 @@ def test_threshold_bits_orders_like_floats() -> None:
         info = kernels.bits_info(dtype)
         for t in np.concatenate([[0.0, 1e-40, 5e-324, 1.0, 65504.0, 3.4e38], 10.0 ** rng.uniform(-30, 30, 50)]):
             thr = kernels.threshold_bits(float(t), info)
-            assert float(values_of(np.array([thr], info.uint).view(np.dtype(dtype)))[0]) == rounded_threshold(float(t), dtype)
+            got = float(values_of(np.array([thr], info.uint).view(np.dtype(dtype)))[0])
+            assert got == rounded_threshold(float(t), dtype)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -27,7 +27,7 @@ import pytest
 from omnireduce import blocks, kernels
 from omnireduce.errors import ConfigError, ProtocolError
 from omnireduce.layout import Layout
-from tests.test_kernels import make_case, ref_compact, ref_mask, ref_scatter, ref_zeroed, same_bits
+from tests.helpers import make_case, ref_compact, ref_mask, ref_scatter, ref_zeroed, same_bits, sparse
 
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +51,9 @@ _REASON = _gpu_skip_reason()
 #: Tests that run on a real GPU or under the simulator.
 on_device = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
 #: Tests that need a real GPU (sizes or torch CUDA tensors the simulator cannot take).
-requires_gpu = pytest.mark.skipif(SIMULATED or _REASON is not None, reason=_REASON or "needs a real GPU, not the simulator")
+requires_gpu = pytest.mark.skipif(
+    SIMULATED or _REASON is not None, reason=_REASON or "needs a real GPU, not the simulator"
+)
 
 
 @pytest.mark.skipif(SIMULATED, reason="this is the simulator child itself")
@@ -367,15 +369,12 @@ def test_worker_allreduce_of_a_cuda_tensor(cuda, kc, small_launch) -> None:
     One device rank only: the simulator is not thread-safe across host threads.
     """
     from aggregator import Aggregator
-    from tests.conftest import run_ranks  # a plain import: the simulator child runs without conftest
+    from tests.helpers import run_ranks
     from worker.client import Worker
 
     rng = np.random.default_rng(2)
     n, bs = 1500, 16
-    xs = [np.zeros(n, np.float32) for _ in range(2)]
-    for x in xs:
-        keep = rng.random(n) < 0.03
-        x[keep] = rng.integers(-5, 6, int(keep.sum()))
+    xs = [sparse(rng, n, 0.03, block=1, low=-5, high=5) for _ in range(2)]
     agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=60).start()
     try:
         def run(r: int) -> Any:

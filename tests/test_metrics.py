@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from aggregator import Aggregator
 from omnireduce.errors import MismatchError
 from omnireduce.protocol import Hello, encode
-from tests.conftest import sparse
+from tests.helpers import sparse
 from worker import Worker
 
 P = "omnireduce_aggregator_"
@@ -70,7 +70,7 @@ def test_metrics_count_what_the_workers_did(caplog: pytest.LogCaptureFixture) ->
             r.getMessage() for r in caplog.records if r.name == "aggregator.engine" and r.levelno >= logging.ERROR
         ]
         assert any("job='metered' op=3 failed (MISMATCH)" in line and "ranks [0] vs [1]" in line for line in failed)
-        worker_lines = [r.getMessage() for r in caplog.records if r.name == "worker.client"]
+        worker_lines = [r.getMessage() for r in caplog.records if r.name == "worker.connection"]
         assert any("rank 1 of job 'metered' op 3" in line for line in worker_lines)
 
         for w in ws:

@@ -8,9 +8,10 @@ import math
 import numpy as np
 import pytest
 
+from bench.calibrate import fit_alpha_beta
+from bench.calibrate import main as calibrate_main
 from bench.common import add_predictions, format_table, median_model_error
 from omnireduce import model
-from omnireduce.calibrate import fit_alpha_beta, main as calibrate_main
 from omnireduce.model import CostParams
 
 S = 100e6

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnireduce.dtypes import DType
-from tests.loopback import run_allreduce
+from tests.helpers import run_allreduce, sparse
 
 
 @settings(max_examples=150, deadline=None)
@@ -24,13 +24,11 @@ from tests.loopback import run_allreduce
 )
 def test_every_worker_gets_the_float64_sum(length, block_size, message_blocks, streams, world, density, seed) -> None:
     rng = np.random.default_rng(seed)
-    nb = -(-length // block_size)
-    inputs = []
-    for _ in range(world):
-        keep = np.repeat(rng.random(nb) < density, block_size)[:length]
-        # Integer values keep float32 sums exact, so they must equal the float64 sum.
-        inputs.append(np.where(keep, rng.integers(-1000, 1001, length), 0).astype(np.float32))
-    outs, ops, _ = run_allreduce(inputs, DType.FLOAT32, block_size, message_blocks, streams, shuffle=random.Random(seed))
+    # Integer values keep float32 sums exact, so they must equal the float64 sum.
+    inputs = [sparse(rng, length, density, block_size, low=-1000, high=1000) for _ in range(world)]
+    outs, ops, _ = run_allreduce(
+        inputs, DType.FLOAT32, block_size, message_blocks, streams, shuffle=random.Random(seed)
+    )
     expected = np.sum(np.stack(inputs).astype(np.float64), axis=0) if world else None
     for out in outs:
         assert out.dtype == np.float32 and out.shape == (length,)

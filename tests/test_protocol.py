@@ -1,15 +1,20 @@
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
+
 import msgpack
 import numpy as np
 import pytest
 
+from omnireduce.dtypes import DType
 from omnireduce.errors import ProtocolError
 from omnireduce.protocol import (
     PROTOCOL_VERSION,
     Blocks,
+    Bye,
     Error,
     ErrorCode,
+    Hello,
     MsgType,
     Result,
     Start,
@@ -18,12 +23,25 @@ from omnireduce.protocol import (
     index_array,
 )
 
+WEIGHTED = Start("job-a", 2, 5, 9, 12, int(DType.BFLOAT16), 3, 1, 2, weight=12.5, compute=0.25)
+RECOMMENDS = Result("j", 0, 0, 0, batches=[19.0, 38.5, 38.5])
+# Every message type, with distinct values in its fields (a field decoded into another
+# would show), and every optional field both set and unset.
 MESSAGES = [
-    Start("job-a", 1, 3, 7, 1000, 1, 256, 64, 4),
+    Hello("job-a", 1, 3, 2, "s3cret-token"),
+    Hello("j", 0, 1, 0, ""),  # no token
+    Bye("job-a", 2),
+    Start("job-a", 1, 3, 7, 1000, int(DType.FLOAT32), 256, 64, 4),  # weight and compute unset
+    WEIGHTED,
+    Start("j", 0, 2, 1, 33, int(DType.INT64), 8, 4, 3, weight=7, compute=0.0),  # an int weight; compute 0
+    Start("j", 0, 2, 1, 33, int(DType.FLOAT64), 8, 4, 3, weight=None, compute=1.5),
     Blocks("job-a", 2, 7, 3, 12),
-    Result("j", 0, 0, 0),
+    Result("j", 4, 1, 6),  # batches unset
+    RECOMMENDS,
+    Result("j", 0, 0, 0, batches=[]),
     Error("j", None, int(ErrorCode.TIMEOUT), "late", [1, 2]),
     Error("j", 5, int(ErrorCode.MISMATCH), "length differs", []),
+    Error("job-b", 3, int(ErrorCode.STALE), "generation 1 < 2", [0]),
 ]
 
 
@@ -41,6 +59,35 @@ def test_round_trip(msg) -> None:
     assert type(got).TYPE == msg.TYPE
     np.testing.assert_array_equal(index_array(data[0]), ptrs)
     np.testing.assert_array_equal(np.frombuffer(data[1], np.float32), payload)
+
+
+def test_round_trips_cover_every_type_and_field() -> None:
+    types = {type(m) for m in MESSAGES}
+    assert {t.TYPE for t in types} == set(MsgType)
+    for cls in types:
+        for f in fields(cls):
+            values = [getattr(m, f.name) for m in MESSAGES if type(m) is cls]
+            if f.default is not MISSING:  # optional: set in one message, unset in another
+                assert None in values and any(v is not None for v in values), (cls.__name__, f.name)
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_header_holds_exactly_the_fields(msg) -> None:
+    header = msgpack.unpackb(encode(msg)[0])
+    assert header.pop("v") == PROTOCOL_VERSION and header.pop("t") == int(msg.TYPE)
+    assert header == {f.name: getattr(msg, f.name) for f in fields(msg)}
+
+
+@pytest.mark.parametrize("cls", [Start, Result], ids=lambda c: c.__name__)
+def test_optional_fields_may_be_left_out_of_the_header(cls) -> None:
+    # An encoder that never sets them may omit them: they decode as unset (None).
+    msg = next(m for m in MESSAGES if type(m) is cls and all(
+        getattr(m, f.name) is not None for f in fields(m) if f.default is not MISSING))
+    header = msgpack.unpackb(encode(msg)[0])
+    optional = [f.name for f in fields(cls) if f.default is not MISSING]
+    got, data = decode([msgpack.packb({k: v for k, v in header.items() if k not in optional})])
+    assert data == []
+    assert got == cls(**{f.name: None if f.name in optional else getattr(msg, f.name) for f in fields(cls)})
 
 
 def test_header_carries_version_and_type() -> None:
@@ -86,6 +133,35 @@ def test_start_checks_rank_and_dtype() -> None:
         decode(_bytes(encode(Start("j", 0, 3, 0, 10, 99, 256, 1, 1))))
     with pytest.raises(ProtocolError, match="block_size"):
         decode(_bytes(encode(Start("j", 0, 3, 0, 10, 1, 0, 1, 1))))
+
+
+def _encoded(msg, **fields) -> list[bytes]:
+    header = msgpack.unpackb(encode(msg)[0])
+    header.update(fields)
+    return [msgpack.packb(header)]
+
+
+@pytest.mark.parametrize(
+    "msg, fields, match",
+    [
+        (Hello("j", 0, 2, 0, ""), dict(token=7), "token"),
+        (Hello("j", 0, 2, 0, ""), dict(token="x" * 257), "token"),
+        (Hello("j", 2, 2, 0, ""), {}, "not in a world"),
+        (Hello("j", 0, 2, 0, ""), dict(generation=-1), "generation"),
+        (Bye("j", 0), dict(rank="0"), "rank"),
+        (WEIGHTED, dict(weight=0.0), "weight"),
+        (WEIGHTED, dict(weight=float("nan")), "weight"),
+        (WEIGHTED, dict(weight="1"), "weight"),
+        (WEIGHTED, dict(compute=-0.5), "compute"),
+        (WEIGHTED, dict(compute=float("inf")), "compute"),
+        (RECOMMENDS, dict(batches=[1.0, -2.0]), "batches"),
+        (RECOMMENDS, dict(batches=["1"]), "batches"),
+        (RECOMMENDS, dict(batches=3.0), "batches"),
+    ],
+)
+def test_bad_hello_bye_and_version_3_fields_raise_protocol_error(msg, fields, match) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode(_encoded(msg, **fields))
 
 
 def test_index_frame_must_be_whole_indices() -> None:

@@ -1,4 +1,5 @@
-"""Faults with real processes: workers killed or paused, the aggregator killed and restarted.
+"""Faults with real processes: workers killed or paused, the aggregator killed and restarted;
+and, in-process at the end, how the engine treats ranks that go away or leave.
 
 Each test checks that the others get a clear error (naming the job, op and rank)
 well within the stated time, that the aggregator is still serving, and that the
@@ -24,12 +25,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aggregator import Aggregator
+from aggregator import Aggregator, Engine
 from omnireduce.errors import ConnectionLostError, OpTimeoutError, PeerLostError, StaleGenerationError
+from omnireduce.protocol import Bye, ErrorCode, Hello, encode
 from tests.faults import Proc, expected, tensor
+from tests.helpers import error_replies, peer_of, start_frames, wire
 from worker import Worker
-
-pytestmark = pytest.mark.slow
 
 N = 20_000
 # Heartbeats on the test aggregators: a silent connection is dropped after HB_TIMEOUT.
@@ -107,6 +108,7 @@ def _expect_peer_lost(futs: list[Any], job: str, op: int, rank: int, since: floa
     return took
 
 
+@pytest.mark.slow
 def test_worker_killed_before_an_op() -> None:
     job = "kill-before"
     with _aggregator() as agg:
@@ -118,6 +120,7 @@ def test_worker_killed_before_an_op() -> None:
         _restart_job_and_check(agg, job, generation=1)
 
 
+@pytest.mark.slow
 def test_worker_killed_during_an_op() -> None:
     job = "kill-during"
     with _aggregator() as agg:
@@ -133,6 +136,7 @@ def test_worker_killed_during_an_op() -> None:
         _restart_job_and_check(agg, job, generation=1)
 
 
+@pytest.mark.slow
 def test_worker_killed_after_an_op() -> None:
     job = "kill-after"
     with _aggregator() as agg:
@@ -145,6 +149,7 @@ def test_worker_killed_after_an_op() -> None:
         _restart_job_and_check(agg, job, generation=1)
 
 
+@pytest.mark.slow
 def test_worker_paused_past_heartbeat_timeout_then_resumed() -> None:
     job = "paused"
     with _aggregator() as agg:
@@ -165,6 +170,7 @@ def test_worker_paused_past_heartbeat_timeout_then_resumed() -> None:
             _exact_round(victim, ws, 7)
 
 
+@pytest.mark.slow
 def test_worker_paused_without_heartbeats_times_out_naming_it() -> None:
     job = "paused-nohb"
     with _aggregator(timeout=1.5, heartbeat=0) as agg:
@@ -182,6 +188,7 @@ def test_worker_paused_without_heartbeats_times_out_naming_it() -> None:
         _restart_job_and_check(agg, job, generation=1)
 
 
+@pytest.mark.slow
 def test_restarted_generation_fails_the_old_ones_ops() -> None:
     with _aggregator() as agg:
         old = Worker(agg.address, rank=0, world_size=2, job="gen", timeout=30)
@@ -229,6 +236,7 @@ def daemons() -> Iterator[list[subprocess.Popen]]:
         p.wait(10)
 
 
+@pytest.mark.slow
 def test_aggregator_killed_and_restarted(daemons: list[subprocess.Popen]) -> None:
     proc, address = _daemon("tcp://127.0.0.1:0")
     daemons.append(proc)
@@ -262,3 +270,35 @@ def test_aggregator_killed_and_restarted(daemons: list[subprocess.Popen]) -> Non
     finally:
         for w in ws:
             w.close()
+
+
+# The engine's view of ranks that go away (in-process, no sockets: fast).
+
+
+def test_a_lost_rank_fails_ops_now_and_later_until_it_returns() -> None:
+    engine = Engine()
+    assert engine.handle(peer_of(1), wire(encode(Hello("j", 1, 3, 0, "")))) == []
+    engine.handle(peer_of(0), start_frames(0, 3, op=0))
+    errs = error_replies(engine.peer_gone(peer_of(1), "disconnected"))
+    assert errs == [(peer_of(0), ErrorCode.PEER_LOST, "rank 1 disconnected")]
+    assert engine.job_info("j")["lost"] == {1: "disconnected"}
+    (_, code, message), = error_replies(engine.handle(peer_of(2), start_frames(2, 3, op=1)))
+    assert code == ErrorCode.PEER_LOST and "rank 1 disconnected" in message
+    # Rank 1 comes back on a new connection: new ops work again.
+    engine.handle(b"rank1-again", wire(encode(Hello("j", 1, 3, 0, ""))))
+    assert engine.job_info("j")["lost"] == {}
+    assert engine.handle(peer_of(0), start_frames(0, 3, op=2)) == []
+
+
+def test_bye_leaves_without_counting_as_lost() -> None:
+    engine = Engine()
+    for r in range(2):
+        engine.handle(peer_of(r), wire(encode(Hello("j", r, 2, 0, ""))))
+    engine.handle(peer_of(0), start_frames(0, 2, op=0))
+    # Rank 0 closes its worker on purpose: the op it joined fails; rank 0 is not "lost".
+    errs = error_replies(engine.handle(peer_of(0), wire(encode(Bye("j", 0)))))
+    assert errs == [(peer_of(0), ErrorCode.PEER_LOST, "rank 0 left (its worker was closed)")]
+    assert engine.job_info("j")["lost"] == {} and engine.job_info("j")["ranks"] == [1]
+    assert engine.peer_gone(peer_of(0)) == []
+    engine.handle(peer_of(1), wire(encode(Bye("j", 1))))
+    assert engine.job_info("j") is None  # nobody left: the job (and its token) is forgotten

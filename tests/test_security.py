@@ -21,7 +21,7 @@ from omnireduce.dtypes import DType
 from omnireduce.errors import AuthError, ConfigError, ProtocolError
 from omnireduce.layout import Layout
 from omnireduce.protocol import MAX_ERROR_HEADER_BYTES, Blocks, Bye, Error, ErrorCode, Hello, decode, encode
-from tests.loopback import peer_of, wire
+from tests.helpers import peer_of, wire
 from worker import Worker
 from worker.op import WorkerOp
 
@@ -78,23 +78,7 @@ def test_engine_refuses_connections_without_the_token() -> None:
     assert engine.ops_failed == 0 and engine.active_ops == 0
 
 
-# CURVE.
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("keys")
-    assert auth.main([str(root / "server"), "aggregator"]) == 0
-    assert auth.main([str(root / "workers"), "w0", "w1"]) == 0
-    assert auth.main([str(root / "strangers"), "eve"]) == 0
-    return {
-        "server_secret": root / "server" / "aggregator.key_secret",
-        "server_public": root / "server" / "aggregator.key",
-        "allowed": root / "workers",
-        "w0": root / "workers" / "w0.key_secret",
-        "w1": root / "workers" / "w1.key_secret",
-        "eve": root / "strangers" / "eve.key_secret",
-    }
+# CURVE (the key files: the `keys` fixture in tests/conftest.py).
 
 
 def test_keygen_writes_private_secret_files_and_refuses_to_overwrite(keys: dict[str, Path]) -> None:

@@ -1,10 +1,9 @@
-"""Sharded aggregators: ``Worker([addr0, addr1, ...])`` splits every op over several aggregators."""
+"""Sharded aggregators: ``connect([addr0, addr1, ...])`` splits every op over several aggregators."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -12,8 +11,8 @@ import pytest
 
 from aggregator import Aggregator
 from omnireduce import ConfigError, OmniReduceError, WorkerClosedError
-from worker import ShardedWorker, Worker
-from tests.conftest import run_ranks
+from tests.helpers import run_ranks, sparse
+from worker import Allreducer, ShardedWorker, Worker, connect
 from worker.sharded import shard_bounds
 
 # Small blocks and messages: short tensors still span many blocks, shards and rounds.
@@ -21,30 +20,12 @@ SMALL = dict(block_size=16, message_blocks=4, streams=2)
 LENGTHS = [0, 1, 2, 15, 16, 17, 47, 100, 1000, 4099, 100_003]
 
 
-@pytest.fixture
-def shards() -> Iterator[list[Aggregator]]:
-    """Three aggregators on free loopback ports; a test uses the first N of them."""
-    aggs: list[Aggregator] = []
-    try:
-        for _ in range(3):
-            aggs.append(Aggregator(listen="tcp://127.0.0.1:0", timeout=20.0).start())
-        yield aggs
-    finally:
-        for a in aggs:
-            a.close()
-
-
 def _inputs(seed: int, world: int, n: int, dtype: Any, density: float = 0.4, block: int = 16) -> list[np.ndarray]:
     """Random non-integer values in random blocks: float sums that depend on order, so equal
     bits mean the same additions in the same order. Zeros are +0.0: the aggregator's sum of
     -0.0 values depends on how a round's payloads line up (numerically equal either way)."""
     rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(world):
-        nb = -(-n // block)
-        keep = np.repeat(rng.random(nb) < density, block)[:n]
-        out.append(np.where(keep, rng.standard_normal(n), 0.0).astype(dtype))
-    return out
+    return [sparse(rng, n, density, block, dtype, normal=True) for _ in range(world)]
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -55,7 +36,7 @@ def _reduce_all(address: Any, world: int, job: str, inputs: list[list[Any]], **k
     """Every rank sums every tensor of its list, all ops in flight at once."""
 
     def rank(r: int) -> list[Any]:
-        with Worker(address, rank=r, world_size=world, job=job, timeout=20, **SMALL, **kw) as w:
+        with connect(address, rank=r, world_size=world, job=job, timeout=20, **SMALL, **kw) as w:
             futures = [w.allreduce_async(x) for x in inputs[r]]
             return [f.result(timeout=30) for f in futures]
 
@@ -101,7 +82,7 @@ def test_torch_bfloat16_float32_inplace_and_out(shards: list[Aggregator]) -> Non
 
     def run(address: Any, job: str) -> list[list[Any]]:
         def rank(r: int) -> list[Any]:
-            with Worker(address, rank=r, world_size=world, job=job, timeout=20, **SMALL) as w:
+            with connect(address, rank=r, world_size=world, job=job, timeout=20, **SMALL) as w:
                 t = torch.from_numpy(xs[r].copy()).reshape(1, 4099)
                 bf = t.to(torch.bfloat16)
                 half = t.to(torch.float16)[:, ::2]  # non-contiguous
@@ -134,7 +115,7 @@ def test_many_ops_in_flight_from_several_threads(shards: list[Aggregator]) -> No
     inputs = [[_inputs(100 + i, world, 50 + 37 * i, np.float32)[r] for i in range(40)] for r in range(world)]
 
     def rank(r: int) -> list[np.ndarray]:
-        with Worker(addresses, rank=r, world_size=world, job="inflight", timeout=20, **SMALL) as w:
+        with connect(addresses, rank=r, world_size=world, job="inflight", timeout=20, **SMALL) as w:
             # Two callers submit in turns under a lock, so every rank numbers the ops alike.
             futures: list[Any] = [None] * len(inputs[r])
             lock = threading.Lock()
@@ -171,7 +152,7 @@ def test_weighted_ops_match_one_aggregator(shards: list[Aggregator]) -> None:
 
     def run(address: Any, job: str) -> list[list[np.ndarray]]:
         def rank(r: int) -> list[np.ndarray]:
-            with Worker(address, rank=r, world_size=world, job=job, timeout=20, **SMALL) as w:
+            with connect(address, rank=r, world_size=world, job=job, timeout=20, **SMALL) as w:
                 futures = [w.allreduce_async(x, weight=3 * r + 1, compute_time=0.1) for x in inputs[r]]
                 out = [f.result(timeout=30) for f in futures]
                 out.append(w.recommended_batches)
@@ -192,10 +173,14 @@ def test_comma_string_and_environment(shards: list[Aggregator], monkeypatch: pyt
     x = [np.arange(1000, dtype=np.float32), np.ones(1000, dtype=np.float32)]
 
     def rank(r: int) -> np.ndarray:
-        w = Worker(rank=r, world_size=2, job="env", timeout=20, **SMALL) if r == 0 else \
-            Worker(f"{a},{b}", r, 2, "env", timeout=20, **SMALL)
+        if r == 0:
+            w = connect(rank=r, world_size=2, job="env", timeout=20, **SMALL)
+        else:
+            # The old way still works, with a warning.
+            with pytest.warns(DeprecationWarning, match="worker.connect"):
+                w = Worker(f"{a},{b}", r, 2, "env", timeout=20, **SMALL)
         with w:
-            assert isinstance(w, ShardedWorker) and isinstance(w, Worker)
+            assert isinstance(w, ShardedWorker) and isinstance(w, Allreducer)
             assert w.addresses == (a, b) and w.address == f"{a},{b}"
             assert (w.rank, w.world_size, w.job, w.block_size) == (r, 2, "env", 16)
             y = w.allreduce(x[r])
@@ -215,10 +200,10 @@ def test_comma_string_and_environment(shards: list[Aggregator], monkeypatch: pyt
 
 def test_bad_addresses_and_closed() -> None:
     with pytest.raises(ConfigError, match="twice"):
-        Worker(["tcp://127.0.0.1:1", "tcp://127.0.0.1:1"], rank=0, world_size=1)
+        connect(["tcp://127.0.0.1:1", "tcp://127.0.0.1:1"], rank=0, world_size=1)
     with pytest.raises(ConfigError):
-        Worker(["tcp://127.0.0.1:1", "nonsense"], rank=0, world_size=1)
-    w = Worker(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], rank=0, world_size=2, timeout=30)
+        connect(["tcp://127.0.0.1:1", "nonsense"], rank=0, world_size=1)
+    w = connect(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], rank=0, world_size=2, timeout=30)
     fut = w.allreduce_async(np.ones(100, dtype=np.float32))
     w.close()
     with pytest.raises(WorkerClosedError, match="shard 0"):
@@ -231,7 +216,7 @@ def test_inputs_the_sharded_worker_refuses() -> None:
     class FakeDeviceArray:
         __cuda_array_interface__: dict[str, Any] = {}
 
-    with Worker(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], rank=0, world_size=2, timeout=30) as w:
+    with connect(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], rank=0, world_size=2, timeout=30) as w:
         with pytest.raises(ConfigError, match="torch tensors only"):
             w.allreduce_async(FakeDeviceArray())
         with pytest.raises(ConfigError, match="contiguous"):
@@ -245,7 +230,7 @@ def test_inputs_the_sharded_worker_refuses() -> None:
 
 def test_closed_shard_fails_the_op_naming_it(shards: list[Aggregator]) -> None:
     addresses = [a.address for a in shards[:2]]
-    ws = [Worker(addresses, rank=r, world_size=2, job="shard-dies", timeout=3, heartbeat=0.2,
+    ws = [connect(addresses, rank=r, world_size=2, job="shard-dies", timeout=3, heartbeat=0.2,
                  heartbeat_timeout=1, **SMALL) for r in range(2)]
     try:
         x = np.ones(1000, dtype=np.float32)
@@ -277,7 +262,7 @@ def test_closed_shard_fails_the_op_naming_it(shards: list[Aggregator]) -> None:
 @pytest.mark.slow
 def test_ddp_hook_and_backend_through_shards(shards: list[Aggregator], tmp_path) -> None:
     torch = pytest.importorskip("torch")
-    from tests.test_torch import run_procs
+    from tests.helpers import run_procs
 
     address = ",".join(a.address for a in shards[:2])
     for res in run_procs("ddp_case", 2, tmp_path, address, "buckets"):
@@ -296,7 +281,7 @@ def test_small_inplace_tensors_and_op_stats_through_shards(shards: list[Aggregat
     xs = [np.full(10, r + 1, np.float32) for r in range(2)]
 
     def rank(r: int) -> tuple[np.ndarray, Any]:
-        with Worker(addrs, rank=r, world_size=2, job="small-inplace", timeout=20) as w:
+        with connect(addrs, rank=r, world_size=2, job="small-inplace", timeout=20) as w:
             y = xs[r].copy()
             fut = w.allreduce_async(y, inplace=True)
             assert fut.result() is y
@@ -305,3 +290,19 @@ def test_small_inplace_tensors_and_op_stats_through_shards(shards: list[Aggregat
     for y, stats in run_ranks(2, rank):
         np.testing.assert_array_equal(y, np.full(10, 3, np.float32))
         assert stats.path == "sparse" and stats.blocks_received == 1
+
+
+def test_connect_makes_the_kind_of_worker_that_fits(shards: list[Aggregator], monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker import ColocatedWorker
+
+    a = shards[0].address
+    with connect(a, rank=0, world_size=1, timeout=20) as w:
+        assert type(w) is Worker and isinstance(w, Allreducer)
+    with pytest.raises(ConfigError, match="not both"):
+        connect(a, exchange=lambda own: [own], rank=0, world_size=1)
+    monkeypatch.delenv("OMNIREDUCE_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="no aggregator address"):
+        connect(rank=0, world_size=1)
+    with connect(exchange=lambda own: [own], rank=0, world_size=1, timeout=20) as w:
+        assert isinstance(w, ColocatedWorker) and isinstance(w, Allreducer)
+        assert w.allreduce(np.arange(5, dtype=np.float32)).tolist() == [0, 1, 2, 3, 4]

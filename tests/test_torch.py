@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import multiprocessing as mp
 import os
 import time
@@ -13,35 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from aggregator import Aggregator  # noqa: E402
+from tests.helpers import run_procs  # noqa: E402 - also imported from here by tests/test_torch_backend.py
 
 pytestmark = pytest.mark.slow
-
-
-def run_procs(fn_name: str, world: int, tmp_path, *args: Any, timeout: float = 240) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = str(tmp_path / f"init-{fn_name}-{world}-{os.getpid()}")
-    procs = [
-        ctx.Process(target=_entry, args=(fn_name, r, world, init, results, args), daemon=True) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=timeout) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    for r in range(world):
-        assert not isinstance(got[r], str), f"rank {r} failed:\n{got[r]}"
-    return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
-
-
-def _entry(*args: Any) -> None:
-    from tests.torch_procs import entry
-
-    entry(*args)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +103,7 @@ def test_reducer_without_ddp_matches_gloo(agg, tmp_path, world: int) -> None:
 def test_backend_collectives_and_ddp(agg, tmp_path) -> None:
     world = 3
     results = run_procs("backend_case", world, tmp_path, agg.address)
-    for rank, res in enumerate(results):
+    for res in results:
         assert res["backend"] == "omnireduce"
         torch.testing.assert_close(res["all_reduce"], torch.arange(6, dtype=torch.float32) * 6)
         torch.testing.assert_close(res["broadcast"], torch.tensor([21, -7, 2**40 + 2]))

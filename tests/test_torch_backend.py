@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from aggregator import Aggregator  # noqa: E402
-from tests.test_torch import run_procs  # noqa: E402
+from tests.helpers import run_procs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ def test_sparse_embeddings_train_under_ddp_as_on_gloo(agg, tmp_path, how: str) -
             extra.close()
     for res in results:
         torch.testing.assert_close(res["got"], res["expected"])
-        for got, expected in zip(res["grads"], res["expected_grads"]):
+        for got, expected in zip(res["grads"], res["expected_grads"], strict=True):
             _same_sparse(got, expected)
         if how != "backend":
             assert res["paths"]["sparse"] > 0

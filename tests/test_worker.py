@@ -10,7 +10,7 @@ import pytest
 
 from aggregator import Aggregator
 from omnireduce import ConfigError, MismatchError, OmniReduceError, OpTimeoutError, WorkerClosedError
-from tests.conftest import run_ranks, sparse
+from tests.helpers import run_ranks, sparse
 from worker import Worker
 
 

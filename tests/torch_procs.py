@@ -369,7 +369,7 @@ def sparse_ddp_case(rank: int, world: int, address: str, how: str, steps: int = 
     omnireduce process group). Returns both runs' parameters and the last step's
     embedding gradients (their rows must be the union of every rank's rows, as gloo's).
     """
-    from worker import Worker
+    from worker import connect
     from worker.ddp import OmniReduceState, omnireduce_hook
 
     def model() -> nn.Module:
@@ -393,7 +393,7 @@ def sparse_ddp_case(rank: int, world: int, address: str, how: str, steps: int = 
         out["got"], out["grads"] = train(DDP(model(), process_group=group))
         return out
     addresses = address.split(",") if how == "sharded" else address
-    with Worker(addresses, rank=rank, world_size=world, job=f"sparse-ddp-{how}-{world}", timeout=30) as w:
+    with connect(addresses, rank=rank, world_size=world, job=f"sparse-ddp-{how}-{world}", timeout=30) as w:
         ours = DDP(model())
         state = OmniReduceState(w)
         ours.register_comm_hook(state, omnireduce_hook)

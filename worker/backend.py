@@ -11,7 +11,8 @@ point (:mod:`worker.autoload`), so an unchanged script (or torchrun's
 ``all_reduce`` SUM and AVG of float and integer tensors, dense or sparse COO,
 go through the sparse protocol (a sparse tensor's rows are its blocks, see
 :mod:`worker.rows`). MIN, MAX, PRODUCT and the bitwise ops gather every rank's
-tensor and reduce locally. ``broadcast``, ``all_gather`` and ``barrier`` are built
+tensor and reduce locally; ``reduce`` is an all_reduce that only the root keeps.
+``broadcast``, ``all_gather``, ``gather``, ``scatter`` and ``barrier`` are built
 on the same sum: a tensor's bytes travel as uint8, zero on every rank but the
 owner, so the sum reproduces them bit for bit, for any dtype. Other collectives raise an error naming themselves.
 
@@ -24,7 +25,6 @@ peer, a refusal) fails its ``Work``: ``wait()``, the future's ``wait()`` and
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import uuid
 from collections.abc import Callable
@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from omnireduce import config
 from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
+from worker.api import Allreducer, connect
 from worker.autoload import BACKEND_NAME
-from worker.client import Worker
 from worker.futures import Settable
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class OmniReduceWork(dist._Work):
         # Every part has finished: no worker writes into its tensors any more.
         if self._error is None:
             try:
-                for (_, finish), result in zip(self._parts, self._results):
+                for (_, finish), result in zip(self._parts, self._results, strict=True):
                     finish(result)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the Work
                 logger.exception("omnireduce %s: writing the result failed", self._what)
@@ -214,7 +214,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             batches then average to the gradient of the global batch.
     """
 
-    def __init__(self, rank: int, world_size: int, worker: Worker) -> None:
+    def __init__(self, rank: int, world_size: int, worker: Allreducer) -> None:
         super().__init__(rank, world_size)
         self._rank = rank
         self._world = world_size
@@ -356,7 +356,8 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             parts.append((self._submit(values, what), finish))
         return self._work(parts, tensors, what)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> Any:
         what = f"all_gather of {_describe(input_tensors)}"
         parts = []
         for outs, t in zip(output_tensors, input_tensors, strict=True):
@@ -373,8 +374,8 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
-        return self.allgather([list(o.view(self._world, *i.shape).unbind(0)) for o, i in zip(outputs, inputs)],
-                              inputs, opts)
+        outs = [list(o.view(self._world, *i.shape).unbind(0)) for o, i in zip(outputs, inputs, strict=True)]
+        return self.allgather(outs, inputs, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         outs = list(output.view(self._world, *input.shape).unbind(0))
@@ -389,15 +390,65 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
         return self._work([(self._submit(one, "barrier"), finish)], [one], "barrier")
 
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                            opts: Any = None) -> Any:
+        # output_lists[r][i]: rank r's tensor i.
+        if len(output_lists) != self._world:
+            raise CollectiveError(f"all_gather_coalesced needs {self._world} output lists, got {len(output_lists)}")
+        return self.allgather([[outs[i] for outs in output_lists] for i in range(len(inputs))], inputs, opts)
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> Any:
+        root = opts.rootRank if opts is not None else 0
+        what = f"gather to rank {root} of {_describe(input_tensors)}"
+        if self._rank == root and (len(output_tensors) != len(input_tensors)
+                                   or any(len(outs) != self._world for outs in output_tensors)):
+            raise CollectiveError(f"{what}: the root needs {self._world} output tensors per input")
+        parts = []
+        for i, t in enumerate(input_tensors):
+            src, n = self._gather_values(t)
+
+            def finish(out: torch.Tensor, i: int = i, n: int = n) -> None:
+                if self._rank == root:
+                    for r, o in enumerate(output_tensors[i]):
+                        o.copy_(_from_bytes(out[r * n : (r + 1) * n], o))
+
+            parts.append((src, finish))
+        return self._work(parts, output_tensors, what)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> Any:
+        root = opts.rootRank if opts is not None else 0
+        what = f"scatter from rank {root} of {_describe(output_tensors)}"
+        parts = []
+        for i, t in enumerate(output_tensors):
+            n = _bytes_of(t).numel()
+            if self._rank == root:
+                if len(input_tensors[i]) != self._world:
+                    raise CollectiveError(f"{what}: the root needs {self._world} input tensors")
+                values = torch.cat([_bytes_of(x) for x in input_tensors[i]]).clone()
+            else:
+                values = torch.zeros(n * self._world, dtype=torch.uint8)
+
+            def finish(out: torch.Tensor, t: torch.Tensor = t, n: int = n) -> None:
+                t.copy_(_from_bytes(out[self._rank * n : (self._rank + 1) * n], t))
+
+            parts.append((self._submit(values, what), finish))
+        return self._work(parts, output_tensors, what)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        # An all_reduce whose result only the root keeps: the other ranks' tensors stay as they were.
+        root = opts.rootRank if opts is not None else 0
+        reduce_opts = dist.AllreduceOptions()
+        reduce_opts.reduceOp = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+        return self.allreduce(tensors if self._rank == root else [t.clone() for t in tensors], reduce_opts)
+
     def _unsupported(self, name: str) -> Any:
         raise CollectiveError(
             f"the omnireduce backend does not support {name}; it supports all_reduce (SUM and AVG of float, "
-            "integer and sparse tensors; MIN, MAX, PRODUCT, BAND, BOR, BXOR of dense ones), broadcast, all_gather "
-            "and barrier"
+            "integer and sparse tensors; MIN, MAX, PRODUCT, BAND, BOR, BXOR of dense ones), reduce, broadcast, "
+            "all_gather, gather, scatter and barrier"
         )
-
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("reduce")
 
     def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("reduce_scatter")
@@ -411,16 +462,13 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("all_to_all_single")
 
-    def gather(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("gather")
-
-    def scatter(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("scatter")
-
     def send(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("send")
 
     def recv(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("recv")
+
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("recv")
 
 
@@ -452,7 +500,7 @@ def create_process_group(opts: Any, pg_options: Any = None) -> OmniReduceProcess
     rank, world = opts.group_rank, opts.group_size
     job = _job_of(opts.store, rank, getattr(opts, "group_id", None))
     try:
-        worker = Worker(rank=rank, world_size=world, job=job)
+        worker = connect(rank=rank, world_size=world, job=job)
     except ConfigError as e:
         raise ConfigError(f"cannot create the omnireduce process group: {e}") from e
     return OmniReduceProcessGroup(rank, world, worker)

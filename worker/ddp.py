@@ -2,7 +2,7 @@
 
 Usage, one line after wrapping the model::
 
-    w = Worker()                                     # address, rank, world from the environment
+    w = worker.connect()                             # address, rank, world from the environment
     ddp_model.register_comm_hook(OmniReduceState(w), omnireduce_hook)
 
 The hook returns at once: the bucket goes to the worker's communication thread,
@@ -16,14 +16,14 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
+from worker.api import Allreducer
 from worker.auto import MODES, PathChooser
-from worker.client import Worker
 from worker.futures import Settable
 
 logger = logging.getLogger(__name__)
@@ -64,10 +64,10 @@ class OmniReduceState:
 
     def __init__(
         self,
-        worker: Worker,
+        worker: Allreducer,
         average: bool = True,
-        samples: Optional[float] = None,
-        dense_group: Optional[dist.ProcessGroup] = None,
+        samples: float | None = None,
+        dense_group: dist.ProcessGroup | None = None,
         mode: str = "sparse",
         probe_every: int = 16,
     ) -> None:
@@ -86,7 +86,7 @@ class OmniReduceState:
                         block_size=worker.block_size, message_blocks=worker.message_blocks, streams=worker.streams)
             if mode == "auto" else None
         )
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.buckets = 0
         self._lock = threading.Lock()
 
@@ -97,7 +97,7 @@ class OmniReduceState:
 
 
 def complete_torch_future(
-    source: ConcurrentFuture, target: torch.Tensor, what: str, state: Optional[OmniReduceState] = None
+    source: ConcurrentFuture, target: torch.Tensor, what: str, state: OmniReduceState | None = None
 ) -> torch.futures.Future:
     """A torch future completed with ``target`` once ``source`` (an allreduce) is done.
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import mmap
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,9 +33,12 @@ from omnireduce.protocol import (
 )
 from worker.stats import OpStats, frames_nbytes
 
+if TYPE_CHECKING:
+    from worker.settings import WorkerSettings
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["WorkerOp", "lazy_zeros", "pages_written", "check_destination"]
+__all__ = ["OpRequest", "WorkerOp", "lazy_zeros", "pages_written", "check_destination"]
 
 # From this size on, a sparse result is allocated as an anonymous mapping (see lazy_zeros).
 _LAZY_ZEROS_BYTES = 1 << 22
@@ -86,6 +92,41 @@ def check_destination(flat: np.ndarray, dtype: DType, inplace: bool, out: np.nda
         not isinstance(out, np.ndarray) or out.shape != (len(flat),) or out.dtype != storage or not out.flags.writeable
     ):
         raise ConfigError(f"out must be a writeable flat {storage} array of {len(flat)} elements")
+
+
+@dataclass(slots=True)
+class OpRequest:
+    """One allreduce as a caller asked for it, checked and ready to run.
+
+    Attributes:
+        flat: the contiguous 1-D input (bfloat16 as uint16 bits); None when ``data`` is given.
+        dtype: the element type.
+        layout: the op's block layout.
+        restore: turns the op's output into the caller's result (type, shape).
+        future: completed with that result, or failed.
+        inplace: the sum goes into ``flat`` itself.
+        data: a data path other than a host array (device tensor, sparse rows).
+        out: the array the sum goes into, if the caller gave one.
+        weight: this worker's weight for a weighted mean, or None.
+        compute: seconds of compute reported for batch balancing, or None.
+        dense: send every block (no zero-block detection).
+        measured: called with the op's stats once it finished (auto mode's density record).
+        op: the op number, given by the connection when it queues the request.
+    """
+
+    flat: np.ndarray | None
+    dtype: DType
+    layout: Layout
+    restore: Callable[[Any], Any]
+    future: Future
+    inplace: bool = False
+    data: Any = None
+    out: np.ndarray | None = None
+    weight: float | None = None
+    compute: float | None = None
+    dense: bool = False
+    measured: Callable[[OpStats], None] | None = None
+    op: int = -1
 
 
 class WorkerOp:
@@ -172,6 +213,15 @@ class WorkerOp:
         self.stats = OpStats(
             op=op, elements=layout.length, blocks=layout.num_blocks, dense_bytes=layout.length * dtype.itemsize,
             path="dense" if dense else "sparse",
+        )
+
+    @classmethod
+    def from_request(cls, settings: WorkerSettings, request: OpRequest) -> WorkerOp:
+        """The op of ``request``, numbered, for the worker of ``settings``."""
+        return cls(
+            settings.job, settings.rank, settings.world_size, request.op, request.flat, request.dtype,
+            request.layout, inplace=request.inplace, data=request.data, out=request.out, weight=request.weight,
+            compute=request.compute, dense=request.dense,
         )
 
     @property

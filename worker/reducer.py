@@ -5,7 +5,7 @@ bucket whose gradients are all ready is sent at once, in bucket order, so the
 reduction of late layers overlaps the backward pass of early ones. Call
 :meth:`GradientReducer.synchronize` before ``optimizer.step()``::
 
-    reducer = GradientReducer(model, Worker())
+    reducer = GradientReducer(model, worker.connect())
     loss.backward()
     reducer.synchronize()
     optimizer.step()
@@ -21,7 +21,7 @@ from concurrent.futures import Future
 import torch
 
 from omnireduce.errors import OmniReduceError
-from worker.client import Worker
+from worker.api import Allreducer
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ class GradientReducer:
         bucket_cap_mb: bucket size in MiB (DDP's default is 25).
     """
 
-    def __init__(self, model: torch.nn.Module, worker: Worker, average: bool = True, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, worker: Allreducer, average: bool = True, bucket_cap_mb: float = 25.0
+    ) -> None:
         if bucket_cap_mb <= 0:
             raise OmniReduceError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.worker = worker
@@ -105,7 +107,8 @@ class GradientReducer:
         b = self._buckets[self._bucket_of[id(p)]]
         b.ready += 1
         # Launch in bucket order only, so every rank numbers its ops the same way.
-        while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
+        buckets = self._buckets
+        while self._next < len(buckets) and buckets[self._next].ready == len(buckets[self._next].params):
             self._launch(self._buckets[self._next])
             self._next += 1
 

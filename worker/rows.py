@@ -75,6 +75,14 @@ class SparseRows:
             raise ConfigError(f"SparseRows.values must be an array of {len(rows)} rows, one per index")
         if isinstance(self.num_rows, bool) or not isinstance(self.num_rows, (int, np.integer)) or self.num_rows < 0:
             raise ConfigError(f"SparseRows.num_rows must be a non-negative integer, got {self.num_rows!r}")
+        # A Python int: a NumPy one would overflow in the layout's arithmetic.
+        object.__setattr__(self, "num_rows", int(self.num_rows))
+        if self.shape is not None:
+            if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in self.shape):
+                raise ConfigError(f"SparseRows.shape must be non-negative integers, got {self.shape!r}")
+            object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.dtype is not None and not isinstance(self.dtype, DType):
+            raise ConfigError(f"SparseRows.dtype must be an omnireduce DType, got {self.dtype!r}")
         if len(rows) and (int(rows[0]) < 0 or int(rows[-1]) >= self.num_rows):
             raise ConfigError(f"SparseRows.rows must lie in [0, {self.num_rows})")
         if len(rows) > 1 and not bool((rows[1:] > rows[:-1]).all()):
@@ -120,7 +128,7 @@ class SparseRows:
     @staticmethod
     def join(parts: list[SparseRows], offsets: list[int], num_rows: int, shape: tuple[int, ...] | None) -> SparseRows:
         """The chunks ``parts`` (chunk ``k`` starting at row ``offsets[k]``) as one tensor."""
-        rows = np.concatenate([p.rows + o for p, o in zip(parts, offsets)])
+        rows = np.concatenate([p.rows + o for p, o in zip(parts, offsets, strict=True)])
         values = np.concatenate([p.values for p in parts])
         return SparseRows(rows, values, num_rows, shape, parts[0].dtype)
 
@@ -159,9 +167,11 @@ class SparseRows:
         else:
             idx = self.rows.reshape(1, -1)
         assert self.dtype is not None  # set by __post_init__
-        values = from_storage(np.ascontiguousarray(self.values), self.dtype).reshape(len(self.rows), *shape[sparse_dim:])
+        values = from_storage(np.ascontiguousarray(self.values), self.dtype)
+        values = values.reshape(len(self.rows), *shape[sparse_dim:])
+        # Built from rows that are sorted and in range by construction: torch need not check them.
         return torch.sparse_coo_tensor(torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)), values, shape,
-                                       is_coalesced=True)
+                                       is_coalesced=True, check_invariants=False)
 
 
 class RowsOpData:

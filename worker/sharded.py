@@ -16,7 +16,7 @@ aggregator (a block's sum does not depend on which aggregator computes it).
 Every shard gets a chunk, possibly empty, for every op, so that the op numbers
 of all shards stay equal to the sharded worker's op numbers.
 
-``Worker([addr0, addr1], ...)`` or ``Worker("tcp://a:5555,tcp://b:5555", ...)``
+``worker.connect([addr0, addr1], ...)`` or ``worker.connect("tcp://a:5555,tcp://b:5555", ...)``
 (or a comma-separated ``OMNIREDUCE_ADDRESS``) returns a :class:`ShardedWorker`.
 """
 
@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
+import zmq
 
 from omnireduce import config
 from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClosedError
@@ -37,6 +38,7 @@ from worker.client import Worker
 from worker.cuda import is_cuda_tensor
 from worker.op import check_destination, lazy_zeros, pages_written
 from worker.rows import SparseRows, is_sparse_torch, rows_op_data
+from worker.settings import SettingsView, WorkerSettings
 from worker.stats import OpStats, Stats, merge_parallel
 from worker.tensors import is_torch, shares_memory, to_flat
 
@@ -61,7 +63,7 @@ def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, i
     """
     nb = -(-length // block_size)
     edges = [min(k * nb // shards * block_size, length) for k in range(shards + 1)]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 class _Gather:
@@ -108,53 +110,61 @@ class _Gather:
         _settle(self.future, result=result)
 
 
-class ShardedWorker(Worker):
+class ShardedWorker(SettingsView):
     """A worker of one rank whose ops are split over several aggregators (shards).
 
-    Usually made by ``Worker(addresses, ...)``; every argument but the addresses is
-    passed unchanged to one :class:`worker.client.Worker` per shard, so every
-    shard uses the same rank, world size, job, token, generation and keys. Every
-    worker of a job must list the same shards in the same order.
-
-    It subclasses :class:`Worker` so that ``isinstance`` checks hold, but does not
-    call ``Worker.__init__``: it holds no socket of its own.
+    Usually made by :func:`worker.connect` with several addresses. Every shard's
+    :class:`worker.client.Worker` gets the same settings (rank, world size, job,
+    token, generation, keys). Every worker of a job must list the same shards in
+    the same order.
 
     Args:
         address: the shards' endpoints: a list or tuple, or one comma-separated
             string; default ``$OMNIREDUCE_ADDRESS``.
-        *args: ``Worker``'s further positional arguments (rank, world_size, job, ...).
-        **kwargs: ``Worker``'s keyword arguments.
+        rank: this worker's rank; default ``$RANK``.
+        world_size: the number of workers; default ``$WORLD_SIZE``.
+        job: the job id; default ``$OMNIREDUCE_JOB``, else "default".
+        context: ZeroMQ context shared by the shards' workers; a private one each by default.
+        settings: settings resolved already, instead of ``rank``, ``world_size``, ``job``
+            and ``**options``.
+        **options: the other settings of :class:`worker.client.Worker` (``block_size``,
+            ``timeout``, ``token``, ``mode``, ...).
 
     Raises:
-        ConfigError: no address, or a shard's worker refuses its settings.
+        ConfigError: no address, an address listed twice, or bad settings.
     """
 
-    def __init__(self, address: str | Sequence[str] | None = None, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        address: str | Sequence[str] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        job: str | None = None,
+        *,
+        context: zmq.Context | None = None,
+        settings: WorkerSettings | None = None,
+        **options: Any,
+    ) -> None:
         addresses = config.split_addresses(config.resolve(address, config.OMNIREDUCE_ADDRESS, None, _identity))
         if not addresses:
             raise ConfigError("no aggregator address given")
         if len(set(addresses)) != len(addresses):
             raise ConfigError(f"an aggregator address is listed twice: {addresses}")
+        if settings is None:
+            settings = WorkerSettings.resolve(rank, world_size, job, **options)
+        elif rank is not None or world_size is not None or job is not None or options:
+            raise ConfigError("give either settings or the settings' arguments, not both")
+        self.settings = settings
         self.addresses = tuple(addresses)
         self.address = ",".join(addresses)
         self.shards: list[Worker] = []
         try:
             for a in addresses:
-                self.shards.append(Worker(a, *args, **kwargs))
+                self.shards.append(Worker(a, context=context, settings=settings))
         except BaseException:
             for w in self.shards:
                 w.close()
             raise
-        first = self.shards[0]
-        self.rank = first.rank
-        self.world_size = first.world_size
-        self.job = first.job
-        self.block_size = first.block_size
-        self.message_blocks = first.message_blocks
-        self.streams = first.streams
-        self.timeout = first.timeout
-        self.generation = first.generation
-        self.curve = first.curve
         self.stats = Stats()
         self._stats_lock = threading.Lock()
         # Held while one op is handed to every shard, so concurrent callers cannot
@@ -165,14 +175,6 @@ class ShardedWorker(Worker):
         logger.info("worker rank %d of job %r: %d aggregator shards: %s", self.rank, self.job, len(addresses),
                     ", ".join(addresses))
 
-    def __getattr__(self, name: str) -> Any:
-        # Settings a plain Worker gains later (read-only attributes) come from shard 0,
-        # which was built from the same arguments; private state is never shared.
-        shards = self.__dict__.get("shards")
-        if name.startswith("_") or not shards:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(shards[0], name)
-
     def __enter__(self) -> ShardedWorker:
         return self
 
@@ -180,7 +182,8 @@ class ShardedWorker(Worker):
         self.close()
 
     def __repr__(self) -> str:
-        return f"ShardedWorker(rank={self.rank}, world_size={self.world_size}, job={self.job!r}, shards={self.address!r})"
+        return (f"ShardedWorker(rank={self.rank}, world_size={self.world_size}, job={self.job!r}, "
+                f"shards={self.address!r})")
 
     def allreduce_async(self, x: Any, inplace: bool = False, out: np.ndarray | None = None, **kwargs: Any) -> Future:
         """Starts a sum over all workers of the job, chunk ``k`` on shard ``k``; returns its future.
@@ -223,7 +226,7 @@ class ShardedWorker(Worker):
                     + ("" if self._broken is None else f" (a shard failed to take an op: {self._broken})")
                 ) from self._broken
             shard_futures = []
-            for k, (w, chunk) in enumerate(zip(self.shards, chunks)):
+            for k, (w, chunk) in enumerate(zip(self.shards, chunks, strict=True)):
                 try:
                     shard_futures.append(w.allreduce_async(chunk, **chunk_kwargs[k], **kwargs))
                 except BaseException as e:
@@ -334,7 +337,7 @@ class ShardedWorker(Worker):
         chunks = [flat[lo:hi] if hi > lo else torch.empty(0, dtype=flat.dtype) for lo, hi in bounds]
 
         def finish(results: list[Any]) -> Any:
-            parts = [r.reshape(-1) for r, (lo, hi) in zip(results, bounds) if hi > lo]
+            parts = [r.reshape(-1) for r, (lo, hi) in zip(results, bounds, strict=True) if hi > lo]
             if not parts:
                 return torch.zeros(shape, dtype=flat.dtype, device=flat.device)
             return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(shape)

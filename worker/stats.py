@@ -5,16 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from omnireduce.transport import frames_nbytes
+
+# frames_nbytes is the transport's, re-exported for the worker's ops.
 __all__ = ["OpStats", "Stats", "frames_nbytes", "merge_parallel"]
-
-
-def frames_nbytes(frames: list[Any]) -> int:
-    """Bytes of a message's frames as they go on the wire (ZeroMQ's framing not counted)."""
-    total = 0
-    for f in frames:
-        buf = getattr(f, "buffer", None)
-        total += memoryview(f if buf is None else buf).nbytes
-    return total
 
 
 @dataclass(slots=True)

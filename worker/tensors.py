@@ -55,11 +55,14 @@ def _torch_to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], An
 
     if x.device.type != "cpu":
         raise ConfigError(f"allreduce of a tensor on {x.device} is not supported; move it to the CPU")
+    if x.layout != torch.strided:
+        raise ConfigError(f"allreduce supports dense and sparse COO tensors, not the {x.layout} layout")
     shape = x.shape
     t = x.detach().contiguous().reshape(-1)
     if t.dtype == torch.bfloat16:
         flat = t.view(torch.int16).numpy().view(np.uint16)
-        return flat, DType.BFLOAT16, lambda out: torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).reshape(shape)
+        return flat, DType.BFLOAT16, lambda out: (
+            torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).reshape(shape))
     names = {
         torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.float16: DType.FLOAT16,
         torch.int8: DType.INT8, torch.uint8: DType.UINT8, torch.int16: DType.INT16, torch.int32: DType.INT32,

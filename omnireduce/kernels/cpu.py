@@ -17,6 +17,7 @@ import logging
 
 import numpy as np
 
+from omnireduce.config import PROBE_DENSE
 from omnireduce.errors import ConfigError
 from omnireduce.kernels.bits import bits_info, check_block_size, threshold_bits
 from omnireduce.layout import INF, Layout
@@ -39,10 +40,9 @@ except ImportError:  # pragma: no cover - numba is a dependency; kept importable
 # dense block still exits after its first chunk.
 _CHUNK = 64
 # The word-wise mask probes every _PROBE_STRIDE-th block's first word and stops at
-# the first word of each block when more than PROBE_DENSE of the probes are nonzero
-# (omnireduce.model predicts the mask with the same threshold).
+# the first word of each block when more than PROBE_DENSE (omnireduce.config, shared
+# with omnireduce.model's prediction of the mask) of the probes are nonzero.
 _PROBE_STRIDE = 64
-PROBE_DENSE = 0.75
 # Mask entries per prefix-sum chunk: enough work per prange iteration to beat
 # the scheduling cost, few enough chunks for the sequential scan between passes.
 _SCAN_CHUNK = 1 << 14

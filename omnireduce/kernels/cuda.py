@@ -388,7 +388,9 @@ def cuda_scatter(out: Any, indices: Any, blocks: Any, block_size: int, stream: A
     k = idx.shape[0]
     short = n - (nb - 1) * block_size if nb else block_size
     if payload.shape[0] not in (k * block_size, k * block_size - (block_size - short) if k else 0):
-        raise ConfigError(f"blocks have {payload.shape[0]} elements, which fits no payload of {k} blocks of {block_size}")
+        raise ConfigError(
+            f"blocks have {payload.shape[0]} elements, which fits no payload of {k} blocks of {block_size}"
+        )
     stream = stream_for(out, stream)
     with on_device(out):
         if nb == 0:

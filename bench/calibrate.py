@@ -71,7 +71,7 @@ def fit_alpha_beta(sizes: Sequence[float], one_way_s: Sequence[float]) -> tuple[
     return max(float(alpha), 1e-7), max(float(beta), 1e-13)
 
 
-def _best(fn: Callable[[], Any], repeats: int) -> float:
+def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs after one warm-up (median: robust to a busy neighbour)."""
     fn()
     ts = []
@@ -92,17 +92,17 @@ def _kernels(nbytes: int, repeats: int) -> dict[str, float]:
     zeros = np.empty(n, dtype=np.float32)
     zeros.fill(0.0)  # written, so the pages are real (not the shared zero page)
     ones = np.ones(n, dtype=np.float32)
-    mask_zero = _best(lambda: blocks.block_mask(zeros, b), repeats) / nbytes
-    mask_dense = _best(lambda: blocks.block_mask(ones, b), repeats) / nbytes
+    mask_zero = _median_seconds(lambda: blocks.block_mask(zeros, b), repeats) / nbytes
+    mask_dense = _median_seconds(lambda: blocks.block_mask(ones, b), repeats) / nbytes
     layout = Layout(n, b, 256, 4)
     rng = np.random.default_rng(0)
     # A quarter of the blocks, at random: fancy-indexed copies as in a sparse round.
     ids = np.sort(rng.choice(layout.num_blocks, size=layout.num_blocks // 4, replace=False)).astype(np.int64)
     moved = len(ids) * b * 4
-    gather = _best(lambda: blocks.gather(ones, ids, layout), repeats) / moved
+    gather = _median_seconds(lambda: blocks.gather(ones, ids, layout), repeats) / moved
     payload = blocks.gather(ones, ids, layout)
     out = np.zeros(n, dtype=np.float32)
-    scatter = _best(lambda: blocks.scatter(out, ids, payload, layout), repeats) / moved
+    scatter = _median_seconds(lambda: blocks.scatter(out, ids, payload, layout), repeats) / moved
 
     def fresh() -> None:
         # A result as the worker makes it: fresh zeroed memory whose pages fault in when written.
@@ -112,16 +112,26 @@ def _kernels(nbytes: int, repeats: int) -> dict[str, float]:
     def warm() -> None:
         out[:] = ones
 
-    # First touch alone: writing into fresh memory minus writing into memory already mapped.
-    zero = max(_best(fresh, repeats) - _best(warm, repeats), 0.0) / nbytes
+    # First touch alone: writing into fresh memory minus writing into memory already mapped,
+    # measured in pairs so that a busy neighbour slows both sides of a difference alike; a cost
+    # is never below the floor the fitted ones get (a busy machine can make the difference vanish).
+    fresh()
+    diffs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fresh()
+        t1 = time.perf_counter()
+        warm()
+        diffs.append((t1 - t0) - (time.perf_counter() - t1))
+    zero = max(statistics.median(diffs) / nbytes, 1e-13)
 
     def faults() -> None:
         # A sparse result: an anonymous mapping of 4 KiB pages, one write per page.
         a = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.float32)
         a[:: _PAGE // 4] = 1.0
 
-    fault = _best(faults, repeats) / (nbytes // _PAGE)
-    add = _best(lambda: np.add(ones, zeros, out=out), repeats) / nbytes
+    fault = _median_seconds(faults, repeats) / (nbytes // _PAGE)
+    add = _median_seconds(lambda: np.add(ones, zeros, out=out), repeats) / nbytes
     return {
         "mask_s_per_byte": mask_zero, "mask_dense_s_per_byte": mask_dense,
         "copy_s_per_byte": (gather + scatter) / 2, "zero_s_per_byte": zero, "add_s_per_byte": add,
@@ -200,7 +210,7 @@ def _run_cases(world: int, cases: list[dict[str, Any]], timeout: float) -> list[
     agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=timeout).start()
     procs: list[subprocess.Popen] = []
     try:
-        code = "from omnireduce.calibrate import _worker_main; _worker_main()"
+        code = "from bench.calibrate import _worker_main; _worker_main()"
         for rank in range(world):
             procs.append(subprocess.Popen(
                 [sys.executable, "-c", code, agg.address, str(rank), str(world), json.dumps(cases)],

@@ -1,0 +1,185 @@
+"""The ZeroMQ plumbing both sides share: socket options, CURVE, heartbeats, monitors, teardown.
+
+The aggregator binds a ROUTER socket and every worker connects a DEALER; both set
+their sockets up and take them down the same way:
+
+- :func:`new_socket`: a socket that drops unsent messages when closed (``LINGER`` 0),
+  so closing never waits for a peer that is gone;
+- :func:`set_heartbeats`: ZeroMQ heartbeats, which close the connection of a peer
+  that went silent (and, from the aggregator, tell each worker to do the same);
+- :func:`curve_server` and :func:`curve_client`: CURVE encryption and key
+  authentication, by way of :mod:`omnireduce.auth`;
+- :func:`watch`, :func:`monitor_events` and :data:`HANDSHAKE_FAILURES`: the
+  socket's monitor, which reports closed connections and refused handshakes;
+- :func:`close_monitored`: the socket and its monitor closed together;
+- :func:`frames_nbytes`: what a message's frames weigh on the wire.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import parse_monitor_message
+
+from omnireduce import auth
+
+__all__ = [
+    "HANDSHAKE_FAILURES",
+    "HandshakeFailure",
+    "close_monitored",
+    "curve_client",
+    "curve_server",
+    "frames_nbytes",
+    "monitor_events",
+    "new_socket",
+    "set_heartbeats",
+    "watch",
+]
+
+# ZeroMQ's largest heartbeat TTL (it travels in deciseconds, in 16 bits).
+_MAX_TTL_MS = 6_553_000
+# The smallest TTL ZeroMQ honours.
+_MIN_TTL_MS = 100
+
+
+class HandshakeFailure(NamedTuple):
+    """Why a connection's handshake failed, as each end tells it."""
+
+    #: The listening end's words (the aggregator's log).
+    listener: str
+    #: The connecting end's words, with what to check (the worker's error).
+    connector: str
+
+
+#: Monitor events of a refused handshake (wrong CURVE key, CURVE at one end only, ...).
+HANDSHAKE_FAILURES: dict[int, HandshakeFailure] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: HandshakeFailure("key refused", "it refused this worker's CURVE key"),
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: HandshakeFailure(
+        "protocol or security mechanism mismatch",
+        "protocol or security mechanism mismatch: is CURVE on at one end only?",
+    ),
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: HandshakeFailure(
+        "handshake failed", "handshake failed: is the aggregator's public key right?"
+    ),
+}
+# Events both ends watch: a connection's end, and refused handshakes.
+_WATCHED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+# Frames whose len() is their size in bytes (the rest are measured as buffers).
+_SIZED = (bytes, zmq.Frame)
+
+
+def new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    """A socket of ``kind`` that drops what it has not sent when closed (``LINGER`` 0)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+def set_heartbeats(sock: zmq.Socket, interval: float, timeout: float, *, ttl: bool = False) -> None:
+    """Turns ZeroMQ heartbeats on: a connection silent for ``timeout`` seconds is closed.
+
+    Args:
+        sock: the socket, before it binds or connects.
+        interval: seconds between heartbeats; 0 leaves them off.
+        timeout: seconds without traffic after which the connection is dropped.
+        ttl: also tell the peers to drop the connection after ``timeout`` without
+            traffic from this end (the aggregator does, so workers notice its silence).
+    """
+    if not interval:
+        return
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout * 1000)))
+    if ttl:
+        sock.setsockopt(zmq.HEARTBEAT_TTL, min(_MAX_TTL_MS, max(_MIN_TTL_MS, int(timeout * 1000))))
+
+
+def curve_server(
+    sock: zmq.Socket,
+    secret_key: str | os.PathLike[str] | None,
+    client_keys: str | os.PathLike[str] | None,
+) -> ThreadAuthenticator | None:
+    """Turns CURVE on for a binding socket, before it binds; None (CURVE off) without ``secret_key``.
+
+    Args:
+        sock: the socket; its context gets the authenticator (one per context).
+        secret_key: the server's ``.key_secret`` file.
+        client_keys: directory of the accepted clients' ``.key`` files; None accepts any key.
+
+    Returns:
+        The authenticator admitting clients: stop it when the socket is closed.
+
+    Raises:
+        ConfigError: unusable keys, or the authenticator cannot start.
+    """
+    if secret_key is None:
+        return None
+    authenticator = auth.start_authenticator(sock.context, client_keys)
+    try:
+        auth.configure_server(sock, secret_key)
+    except BaseException:
+        authenticator.stop()
+        raise
+    return authenticator
+
+
+def curve_client(
+    sock: zmq.Socket, server_key: str | os.PathLike[str] | None, client_key: str | os.PathLike[str] | None
+) -> None:
+    """Turns CURVE on for a connecting socket, before it connects; nothing without ``server_key``.
+
+    Raises:
+        ConfigError: unusable keys.
+    """
+    if server_key is not None:
+        auth.configure_client(sock, server_key, client_key)
+
+
+def watch(sock: zmq.Socket, events: int = 0) -> zmq.Socket:
+    """The monitor of ``sock``: closed connections, refused handshakes, and ``events`` besides.
+
+    Read it with :func:`monitor_events`; close it with :func:`close_monitored`.
+    """
+    return sock.get_monitor_socket(events | _WATCHED)
+
+
+def monitor_events(mon: zmq.Socket) -> Iterator[tuple[int, int]]:
+    """The events waiting in a monitor socket, as (event, value), without blocking.
+
+    The value is the connection's file descriptor for connection events.
+    """
+    while True:
+        try:
+            event = parse_monitor_message(mon.recv_multipart(flags=zmq.NOBLOCK))
+        except zmq.Again:
+            return
+        yield event["event"], event["value"]
+
+
+def close_monitored(sock: zmq.Socket, mon: zmq.Socket | None) -> None:
+    """Stops ``sock``'s monitor and closes both; a socket already closed is left as it is."""
+    if mon is not None:
+        if not sock.closed:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        mon.close()
+    sock.close()
+
+
+def frames_nbytes(frames: Iterable[Any]) -> int:
+    """Bytes of a message's frames as they go on the wire (ZeroMQ's framing not counted).
+
+    A frame is what ZeroMQ sends or receives: bytes, a ``zmq.Frame``, or any buffer
+    (a NumPy array, a memoryview).
+    """
+    total = 0
+    for f in frames:
+        total += len(f) if isinstance(f, _SIZED) else memoryview(f).nbytes
+    return total

@@ -1,0 +1,106 @@
+"""The ZeroMQ plumbing both sides share (omnireduce.transport)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from omnireduce import transport
+from omnireduce.errors import ConfigError
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    c = zmq.Context()
+    yield c
+    c.term()
+
+
+def test_frames_nbytes_counts_every_kind_of_frame() -> None:
+    arr = np.arange(10, dtype=np.float32)
+    frames = [b"abc", bytearray(b"de"), zmq.Frame(b"fghi"), arr, memoryview(arr)[2:5], np.empty(0, np.int64)]
+    assert transport.frames_nbytes(frames) == 3 + 2 + 4 + 40 + 12 + 0
+    assert transport.frames_nbytes([]) == 0
+
+
+def test_sockets_linger_zero_and_heartbeats(ctx: zmq.Context) -> None:
+    sock = transport.new_socket(ctx, zmq.ROUTER)
+    try:
+        assert sock.getsockopt(zmq.LINGER) == 0
+        transport.set_heartbeats(sock, 0, 5)  # off: nothing set
+        assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 0
+        transport.set_heartbeats(sock, 0.5, 2.0)
+        assert (sock.getsockopt(zmq.HEARTBEAT_IVL), sock.getsockopt(zmq.HEARTBEAT_TIMEOUT)) == (500, 2000)
+        assert sock.getsockopt(zmq.HEARTBEAT_TTL) == 0
+        transport.set_heartbeats(sock, 1, 3.0, ttl=True)
+        assert sock.getsockopt(zmq.HEARTBEAT_TTL) == 3000
+        transport.set_heartbeats(sock, 1, 1e6, ttl=True)  # ZeroMQ's largest TTL
+        assert sock.getsockopt(zmq.HEARTBEAT_TTL) == 6_553_000
+    finally:
+        sock.close()
+
+
+def test_curve_off_without_keys(ctx: zmq.Context) -> None:
+    sock = transport.new_socket(ctx, zmq.DEALER)
+    try:
+        assert transport.curve_server(sock, None, None) is None
+        transport.curve_client(sock, None, None)
+        assert sock.getsockopt(zmq.MECHANISM) == zmq.NULL
+    finally:
+        sock.close()
+
+
+def test_curve_server_with_a_bad_key_stops_its_authenticator(
+    ctx: zmq.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stopped: list[bool] = []
+
+    class FakeAuthenticator:
+        def stop(self) -> None:
+            stopped.append(True)
+
+    monkeypatch.setattr(transport.auth, "start_authenticator", lambda ctx, keys: FakeAuthenticator())
+    sock = transport.new_socket(ctx, zmq.ROUTER)
+    try:
+        with pytest.raises(ConfigError):
+            transport.curve_server(sock, tmp_path / "missing.key_secret", None)
+        assert stopped == [True]
+    finally:
+        sock.close()
+
+
+def test_monitor_reports_connections_and_teardown_is_idempotent(ctx: zmq.Context) -> None:
+    server = transport.new_socket(ctx, zmq.ROUTER)
+    mon = transport.watch(server, zmq.EVENT_ACCEPTED)
+    server.bind("tcp://127.0.0.1:*")
+    client = transport.new_socket(ctx, zmq.DEALER)
+    client.connect(server.getsockopt_string(zmq.LAST_ENDPOINT))
+    seen: list[int] = []
+    deadline = time.monotonic() + 10
+    while zmq.EVENT_ACCEPTED not in seen and time.monotonic() < deadline:
+        mon.poll(100)
+        seen += [kind for kind, _ in transport.monitor_events(mon)]
+    assert zmq.EVENT_ACCEPTED in seen
+    client.close()
+    while zmq.EVENT_DISCONNECTED not in seen and time.monotonic() < deadline:
+        mon.poll(100)
+        seen += [kind for kind, _ in transport.monitor_events(mon)]
+    assert zmq.EVENT_DISCONNECTED in seen
+    assert list(transport.monitor_events(mon)) == []  # drained: returns at once
+    transport.close_monitored(server, mon)
+    assert server.closed and mon.closed
+    transport.close_monitored(server, mon)  # a closed socket is left as it is
+    transport.close_monitored(transport.new_socket(ctx, zmq.DEALER), None)
+
+
+def test_handshake_failures_name_every_refusal_for_both_ends() -> None:
+    assert set(transport.HANDSHAKE_FAILURES) == {
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    }
+    for failure in transport.HANDSHAKE_FAILURES.values():
+        assert failure.listener and failure.connector

@@ -1,0 +1,449 @@
+"""One connection to one aggregator, and the communication thread that owns it.
+
+A :class:`Connection` owns one DEALER socket, used only by its thread. Callers
+submit op requests (:class:`worker.op.OpRequest`) through a queue and an inproc
+wake-up socket, so several ops (DDP buckets) are in flight at once while the
+caller keeps computing; the connection numbers them in submission order.
+
+The thread watches the socket's connection through its monitor: on every new
+connection it first sends HELLO (job, rank, generation, token), and only then the
+messages waiting for it; a lost connection fails the ops in flight at once
+(their state died with the connection) and ZeroMQ reconnects for the next ones.
+The socket queues messages only on a live connection (``zmq.IMMEDIATE``), so
+nothing of a dead connection reaches the next one ahead of its HELLO.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from omnireduce import transport
+from omnireduce.errors import (
+    AggregatorError,
+    AuthError,
+    ConfigError,
+    ConnectionLostError,
+    LimitError,
+    MismatchError,
+    OmniReduceError,
+    OpError,
+    OpTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    StaleGenerationError,
+    WorkerClosedError,
+)
+from omnireduce.protocol import (
+    MAX_ERROR_HEADER_BYTES,
+    Bye,
+    Error,
+    ErrorCode,
+    Hello,
+    Result,
+    decode,
+    encode,
+)
+from worker.op import OpRequest, WorkerOp
+from worker.settings import WorkerSettings
+from worker.stats import Stats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Connection"]
+
+_ERRORS: dict[int, type[OpError]] = {
+    ErrorCode.MISMATCH: MismatchError,
+    ErrorCode.TIMEOUT: OpTimeoutError,
+    ErrorCode.AUTH: AuthError,
+    ErrorCode.LIMIT: LimitError,
+    ErrorCode.PEER_LOST: PeerLostError,
+    ErrorCode.STALE: StaleGenerationError,
+}
+# Errors answering HELLO: this connection may not take part in the job at all.
+_REFUSALS = frozenset({ErrorCode.AUTH, ErrorCode.LIMIT, ErrorCode.MISMATCH, ErrorCode.STALE})
+_wake_ids = itertools.count()
+# How long closing waits for BYE to leave, so the aggregator does not count the rank as lost.
+_BYE_LINGER_MS = 500
+
+
+@dataclass(slots=True)
+class _Pending:
+    state: WorkerOp
+    request: OpRequest
+    started: float
+    last_heard: float
+
+
+class Connection:
+    """A connection to one aggregator for one rank of one job, with its communication thread.
+
+    Args:
+        address: the aggregator's endpoint; ``inproc://`` reaches an aggregator in
+            this process (it must share ``context``).
+        settings: the worker's settings (rank, job, timeouts, CURVE keys, ...).
+        context: ZeroMQ context; a private one by default.
+
+    Attributes:
+        stats: what this connection's ops moved.
+        batches: the aggregator's latest recommended batch size per rank, or None.
+
+    Raises:
+        ConfigError: the address or the CURVE keys are unusable.
+    """
+
+    def __init__(self, address: str, settings: WorkerSettings, context: zmq.Context | None = None) -> None:
+        self.address = address
+        self.settings = settings
+        # Read by every log line of the thread.
+        self.rank = settings.rank
+        self.job = settings.job
+        self.timeout = settings.timeout
+        self.stats = Stats()
+        self.batches: list[float] | None = None
+        self._hello = encode(Hello(settings.job, settings.rank, settings.world_size, settings.generation,
+                                   settings.token))
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._sock = transport.new_socket(self._ctx, zmq.DEALER)
+        # Queue only on a live connection: a dead one's messages must not reach the next.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        transport.set_heartbeats(self._sock, settings.heartbeat, settings.heartbeat_timeout)
+        self._mon = transport.watch(self._sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            transport.curve_client(self._sock, settings.curve_server_key, settings.curve_client_key)
+            self._sock.connect(address)
+        except (zmq.ZMQError, ConfigError) as e:
+            transport.close_monitored(self._sock, self._mon)
+            if self._own_context:
+                self._ctx.term()
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"cannot connect to aggregator address {address!r}: {e}") from None
+        wake = f"inproc://omnireduce-worker-wake-{id(self)}-{next(_wake_ids)}"
+        self._wake_recv = self._ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(wake)
+        self._wake_send = self._ctx.socket(zmq.PAIR)
+        self._wake_send.connect(wake)
+        self._wake_lock = threading.Lock()
+        self._submissions: queue.SimpleQueue[OpRequest | None] = queue.SimpleQueue()
+        self._op_counter = itertools.count()
+        # Guards the op numbers, the queue's order and the closed/dead state together.
+        self._lock = threading.Lock()
+        self._closed = False
+        self._dead: BaseException | None = None
+        # The thread's own state; every field is set here, before the thread starts.
+        # Messages waiting for a live connection, oldest first: (op or None for HELLO, frames).
+        self._outbox: collections.deque[tuple[int | None, list[Any]]] = collections.deque()
+        self._connected = False
+        # Set when the aggregator refused this connection's HELLO: new ops fail with it.
+        self._refused: OpError | None = None
+        self._handshake_failures = 0
+        self._thread = threading.Thread(target=self._run, name=f"omnireduce-worker-r{self.rank}", daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, request: OpRequest) -> int:
+        """Numbers ``request`` (its ``op``) and queues it for the thread; returns the number.
+
+        Raises:
+            WorkerClosedError: the connection is closed or its thread died.
+        """
+        with self._lock:
+            if self._closed or self._dead is not None:
+                raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed") from self._dead
+            request.op = next(self._op_counter)
+            self._submissions.put(request)
+        self._wake()
+        return request.op
+
+    def close(self) -> None:
+        """Stops the communication thread; pending ops fail with WorkerClosedError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._submissions.put(None)
+        self._wake()
+        self._thread.join()
+        self._wake_send.close()
+        if self._own_context:
+            self._ctx.term()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._wake_send.send(b"", flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # a wake-up is already queued, or the thread is gone
+
+    # Everything below runs on the communication thread only.
+
+    def _run(self) -> None:
+        pending: dict[int, _Pending] = {}
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        poller.register(self._mon, zmq.POLLIN)
+        stopping = False
+        if self.address.startswith("inproc://"):
+            # An inproc peer has no handshake (so no monitor event) to wait for: it is
+            # there from connect on, and gone only with the process.
+            self._connected = True
+            self._outbox.appendleft((None, self._hello))
+        try:
+            while not stopping:
+                writable = self._connected and bool(self._outbox)
+                poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if writable else 0))
+                events = dict(poller.poll(self._wait_ms(pending)))
+                if self._mon in events:
+                    self._on_monitor(pending)
+                if self._wake_recv in events:
+                    while self._wake_recv.poll(0):
+                        self._wake_recv.recv()
+                    stopping = self._take_submissions(pending)
+                if self._sock in events:
+                    self._receive(pending)
+                self._flush()
+                self._expire(pending)
+        except Exception as e:
+            logger.exception("worker rank %d of job %r: communication thread died", self.rank, self.job)
+            with self._lock:
+                # Under the lock: no submission can be queued after the drains below.
+                self._dead = e
+            for p in pending.values():
+                _fail_future(p.request.future, WorkerClosedError(f"communication thread died: {e!r}"))
+            self._drain_submissions(WorkerClosedError(f"communication thread died: {e!r}"))
+        finally:
+            for p in pending.values():
+                _fail_future(p.request.future, WorkerClosedError(
+                    f"worker rank {self.rank} of job {self.job!r} closed with op {p.state.op} pending"
+                ))
+            self._drain_submissions(WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed"))
+            if stopping and self._connected:
+                self._say_bye()
+            transport.close_monitored(self._sock, self._mon)
+            self._wake_recv.close()
+
+    def _say_bye(self) -> None:
+        try:
+            self._sock.send_multipart(encode(Bye(self.job, self.rank)), flags=zmq.NOBLOCK)
+            self._sock.setsockopt(zmq.LINGER, _BYE_LINGER_MS)
+        except zmq.ZMQError as e:
+            logger.debug("worker rank %d of job %r: no BYE sent: %s", self.rank, self.job, e)
+
+    def _drain_submissions(self, error: BaseException) -> None:
+        while True:
+            try:
+                sub = self._submissions.get_nowait()
+            except queue.Empty:
+                return
+            if sub is not None:
+                _fail_future(sub.future, error)
+
+    def _wait_ms(self, pending: dict[int, _Pending]) -> int | None:
+        if not pending:
+            return None
+        deadline = min(p.last_heard for p in pending.values()) + self.timeout
+        return max(0, int((deadline - time.monotonic()) * 1000) + 1)
+
+    def _post(self, op: int | None, frames: list[Any]) -> None:
+        """Sends now if the connection is up and has room, else queues in order."""
+        if self._connected and not self._outbox:
+            try:
+                self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+        self._outbox.append((op, frames))
+
+    def _flush(self) -> None:
+        while self._connected and self._outbox:
+            try:
+                self._sock.send_multipart(self._outbox[0][1], copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._outbox.popleft()
+
+    def _drop(self, pending: dict[int, _Pending], op: int, error: BaseException) -> None:
+        """Fails a pending op and forgets its queued messages."""
+        p = pending.pop(op, None)
+        if p is not None:
+            _fail_future(p.request.future, error)
+        if any(o == op for o, _ in self._outbox):
+            self._outbox = collections.deque(item for item in self._outbox if item[0] != op)
+
+    def _on_monitor(self, pending: dict[int, _Pending]) -> None:
+        for kind, _ in transport.monitor_events(self._mon):
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                logger.info("worker rank %d of job %r: connected to %s", self.rank, self.job, self.address)
+                self._connected = True
+                self._refused = None
+                self._handshake_failures = 0
+                # Every connection starts with HELLO, ahead of anything queued.
+                self._outbox.appendleft((None, self._hello))
+            elif kind == zmq.EVENT_DISCONNECTED:
+                was, self._connected = self._connected, False
+                # HELLO and messages of the lost ops must not go out on the next connection.
+                self._outbox = collections.deque(item for item in self._outbox if item[0] is not None)
+                if was:
+                    logger.warning(
+                        "worker rank %d of job %r: lost the connection to %s; failing ops %s",
+                        self.rank, self.job, self.address, sorted(pending),
+                    )
+                    for op in list(pending):
+                        self._drop(pending, op, ConnectionLostError(
+                            f"lost the connection to the aggregator at {self.address}; the op's state is gone "
+                            "(ZeroMQ reconnects for new ops)", job=self.job, op=op,
+                        ))
+            elif kind in transport.HANDSHAKE_FAILURES:
+                self._connected = False
+                self._handshake_failures += 1
+                failure = transport.HANDSHAKE_FAILURES[kind].connector
+                why = f"the aggregator at {self.address} refused the connection: {failure}"
+                if self._handshake_failures == 1:
+                    logger.error("worker rank %d of job %r: %s", self.rank, self.job, why)
+                # New ops fail at once too, until a handshake succeeds (ZeroMQ may not retry).
+                self._refused = AuthError(why, job=self.job)
+                for op in list(pending):
+                    self._drop(pending, op, AuthError(why, job=self.job, op=op))
+
+    def _take_submissions(self, pending: dict[int, _Pending]) -> bool:
+        while True:
+            try:
+                sub = self._submissions.get_nowait()
+            except queue.Empty:
+                return False
+            if sub is None:
+                return True
+            if not sub.future.set_running_or_notify_cancel():
+                # Cancelled while queued: the op still runs (the other ranks wait for
+                # its number), its result goes nowhere.
+                sub.future = Future()
+                sub.future.set_running_or_notify_cancel()
+            if self._refused is not None:
+                r = self._refused
+                sub.future.set_exception(type(r)(r.reason, job=self.job, op=sub.op, ranks=r.ranks))
+                continue
+            now = time.monotonic()
+            try:
+                state = WorkerOp.from_request(self.settings, sub)
+                frames = state.start()
+            except OmniReduceError as e:
+                sub.future.set_exception(e)
+                continue
+            except Exception as e:  # e.g. MemoryError: fail this op, not the thread
+                logger.exception("worker rank %d of job %r op %d: setting up the op failed", self.rank, self.job,
+                                 sub.op)
+                sub.future.set_exception(OpError(f"op {sub.op}: setting up the op failed: {e!r}",
+                                                 job=self.job, op=sub.op))
+                continue
+            pending[sub.op] = _Pending(state, sub, now, now)
+            self._post(sub.op, frames)
+
+    def _receive(self, pending: dict[int, _Pending]) -> None:
+        while True:
+            try:
+                frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg, body = decode(frames, max_header_bytes=MAX_ERROR_HEADER_BYTES)
+            except ProtocolError as e:
+                logger.error(
+                    "worker rank %d of job %r: undecodable message from the aggregator: %s", self.rank, self.job, e
+                )
+                continue
+            if msg.job != self.job and not (isinstance(msg, Error) and msg.job == "?"):
+                logger.warning("worker rank %d of job %r: message for job %r ignored", self.rank, self.job, msg.job)
+                continue
+            if isinstance(msg, Error):
+                self._on_error(msg, pending)
+                continue
+            if not isinstance(msg, Result):
+                logger.warning(
+                    "worker rank %d of job %r: unexpected %s from the aggregator", self.rank, self.job, msg.TYPE.name
+                )
+                continue
+            p = pending.get(msg.op)
+            if p is None:
+                logger.debug(
+                    "worker rank %d of job %r: result for op %d that is not pending", self.rank, self.job, msg.op
+                )
+                continue
+            p.last_heard = time.monotonic()
+            try:
+                reply = p.state.on_result(msg, body)
+            except OmniReduceError as e:
+                self._drop(pending, msg.op, e)
+                continue
+            except Exception as e:  # a malformed result must fail its op, not the thread
+                logger.exception("worker rank %d of job %r op %d: bad result from the aggregator", self.rank, self.job,
+                                 msg.op)
+                self._drop(pending, msg.op, ProtocolError(f"bad result from the aggregator for op {msg.op}: {e!r}"))
+                continue
+            if msg.batches is not None:  # checked by on_result
+                self.batches = msg.batches
+            if reply is not None:
+                self._post(msg.op, reply)
+            if p.state.done:
+                del pending[msg.op]
+                p.state.stats.seconds = time.monotonic() - p.started
+                self.stats.add(p.state.stats)
+                if p.request.measured is not None:
+                    p.request.measured(p.state.stats)
+                # Who waits on the future can see what its op moved (e.g. the DDP hook's auto mode).
+                p.request.future.op_stats = p.state.stats  # type: ignore[attr-defined]
+                try:
+                    result = p.request.restore(p.state.out)
+                except Exception as e:  # e.g. a failed device copy: fail this op, not the thread
+                    logger.exception("worker rank %d of job %r op %d: result conversion failed", self.rank, self.job,
+                                     msg.op)
+                    p.request.future.set_exception(
+                        e if isinstance(e, OmniReduceError) else OpError(f"op {msg.op}: {e!r}"))
+                    continue
+                p.request.future.set_result(result)
+
+    def _on_error(self, msg: Error, pending: dict[int, _Pending]) -> None:
+        cls = _ERRORS.get(msg.code, AggregatorError)
+        if msg.op is None:
+            logger.error("worker rank %d of job %r: the aggregator refused: %s", self.rank, self.job, msg.message)
+            if msg.code in _REFUSALS:
+                self._refused = cls(f"aggregator: {msg.message}", job=self.job, ranks=msg.ranks)
+            for op in list(pending):
+                self._drop(pending, op, cls(f"aggregator: {msg.message}", job=self.job, op=op, ranks=msg.ranks))
+            return
+        if msg.op in pending:
+            logger.warning(
+                "worker rank %d of job %r op %d: aggregator error: %s", self.rank, self.job, msg.op, msg.message
+            )
+            self._drop(pending, msg.op, cls(f"aggregator: {msg.message}", job=self.job, op=msg.op, ranks=msg.ranks))
+        else:
+            logger.debug("worker rank %d of job %r op %d (not pending): aggregator error: %s",
+                         self.rank, self.job, msg.op, msg.message)
+
+    def _expire(self, pending: dict[int, _Pending]) -> None:
+        now = time.monotonic()
+        for op, p in list(pending.items()):
+            if now - p.last_heard > self.timeout:
+                how = "" if self._connected else " (no connection to it)"
+                self._drop(pending, op, OpTimeoutError(
+                    f"no answer from the aggregator at {self.address} for {self.timeout:g} s{how}", job=self.job, op=op,
+                ))
+
+
+def _fail_future(fut: Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)

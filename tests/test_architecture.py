@@ -92,3 +92,35 @@ def test_light_core_modules_do_not_load_numba(module: str) -> None:
         "print(json.dumps(sorted(k for k in sys.modules if k.split('.')[0] in ('numba', 'llvmlite', 'torch'))))"
     )
     assert got == [], f"import {module} loaded {got[:5]}"
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """The absolute modules a file imports at module level (not inside functions or TYPE_CHECKING)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_worker_modules_import_no_cycle() -> None:
+    # Module-level imports only: the one function-level import back (the deprecated
+    # Worker([...]) shim making a ShardedWorker) goes away with the shim.
+    modules = {f"worker.{p.stem}": p for p in (ROOT / "worker").glob("*.py") if p.stem != "__init__"}
+    graph = {m: {n for n in _module_level_imports(p) if n in modules} for m, p in modules.items()}
+    # sharded imports client, colocated imports sharded: the chain runs one way.
+    assert "worker.client" in graph["worker.sharded"] and "worker.sharded" in graph["worker.colocated"]
+    done: set[str] = set()
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        assert m not in path, f"import cycle: {' -> '.join((*path, m))}"
+        if m in done:
+            return
+        for n in sorted(graph[m]):
+            visit(n, (*path, m))
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, ())

@@ -668,3 +668,18 @@ def test_op_sends_only_the_given_rows(aggregator: Aggregator, mode: str) -> None
     for r, (res, stats) in enumerate(run_ranks(3, rank)):
         assert_rows(res, inputs[r], rows, values)
         assert stats == (len(given[r]), len(union), num_rows, num_rows * width, num_rows * width * 4, "sparse")
+
+
+@pytest.mark.parametrize(("num_rows", "width", "dtype", "streams"), [
+    (102_400, 256, np.float32, 4), (25_600, 256, np.float32, 1), (1000, 3, np.float64, 1), (0, 8, np.float32, 1),
+    (200_000, 64, np.float16, 1), (2_000_000, 256, np.float32, 62),
+])
+def test_a_rows_op_lays_one_row_per_column_in_few_streams(num_rows: int, width: int, dtype: Any, streams: int) -> None:
+    from worker.rows import ROWS_MESSAGE_BYTES, RowsOpData
+
+    # The layout depends on the row count and width only, not on which rows a rank has.
+    for rows in (np.empty(0, np.int64), np.arange(min(num_rows, 5), dtype=np.int64)):
+        layout = RowsOpData(SparseRows(rows, np.ones((len(rows), width), dtype), num_rows)).layout()
+        assert layout.block_size == width and layout.length == num_rows * width
+        assert layout.num_columns == max(num_rows, 0) and layout.num_streams == streams
+        assert layout.message_blocks * width * np.dtype(dtype).itemsize <= ROWS_MESSAGE_BYTES

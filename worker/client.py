@@ -196,13 +196,14 @@ class Worker(SettingsView):
                 raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
                                   f"got {v!r}")
         data: CudaOpData | RowsOpData | None = None
-        block_size = self.block_size
+        layout: Layout | None = None
         if isinstance(x, SparseRows) or is_sparse_torch(x):
             if inplace or out is not None:
                 raise ConfigError("an allreduce of sparse rows returns new rows: inplace and out are not supported")
             data = rows_op_data(x)
-            flat, dtype, length, block_size = None, data.dtype, data.length, data.block_size
+            flat, dtype, length = None, data.dtype, data.length
             restore = data.restore
+            layout = data.layout()  # its own, from the row count: not the settings' streams
         elif is_cuda_tensor(x):
             if inplace or out is not None:
                 raise ConfigError("an in-place allreduce or out= of a CUDA tensor is not supported")
@@ -223,7 +224,8 @@ class Worker(SettingsView):
         # Everything that can fail happens before the op takes its number: a number
         # taken by an op that is never sent would pair this rank's later ops with
         # the other ranks' earlier ones.
-        layout = Layout(length, block_size, self.message_blocks, self.streams)
+        if layout is None:
+            layout = Layout(length, self.block_size, self.message_blocks, self.streams)
         dense, auto_key = False, None
         if data is None and self.mode == "dense":
             dense = True

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from omnireduce import config
 from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.api import Allreducer, connect
-from worker.autoload import BACKEND_NAME
+from worker.autoload import BACKEND_NAME, register
 from worker.futures import Settable
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,12 @@ def _fold(stacked: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torc
     for row in stacked[1:]:
         out = fn(out, row)
     return out
+
+
+def _failed(error: BaseException) -> ConcurrentFuture:
+    failed: ConcurrentFuture = ConcurrentFuture()
+    failed.set_exception(error)
+    return failed
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -269,9 +275,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         try:
             return self.worker.allreduce_async(x, **options)
         except OmniReduceError as e:
-            failed: ConcurrentFuture = ConcurrentFuture()
-            failed.set_exception(e)
-            return failed
+            return _failed(e)
 
     # all_reduce
 
@@ -317,9 +321,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     def _gathered_reduce(self, t: torch.Tensor, op: Any, what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
         if t.is_sparse:
-            failed: ConcurrentFuture = ConcurrentFuture()
-            failed.set_exception(ConfigError(f"{what}: only SUM and AVG take sparse tensors"))
-            return failed, lambda _out: None
+            return _failed(ConfigError(f"{what}: only SUM and AVG take sparse tensors")), lambda _out: None
         src, n = self._gather_values(t)
         reduce = _GATHERED[op]
 
@@ -506,11 +508,6 @@ def create_process_group(opts: Any, pg_options: Any = None) -> OmniReduceProcess
     return OmniReduceProcessGroup(rank, world, worker)
 
 
-def register() -> None:
-    """Registers the "omnireduce" backend with torch.distributed (once; later calls do nothing)."""
-    if BACKEND_NAME.upper() in dist.Backend._plugins:
-        return
-    dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cpu"])
-
-
+# Registered here too for code that imports this module without torch's entry points
+# (TORCH_DEVICE_BACKEND_AUTOLOAD=0, or a tree that is not pip-installed).
 register()

@@ -27,22 +27,13 @@ from omnireduce import blocks
 from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError
 from omnireduce.layout import Layout
-from worker.tensors import is_torch, to_flat
+from worker.tensors import from_storage, is_torch, to_flat
 
 __all__ = ["ROWS_MESSAGE_BYTES", "SparseRows", "RowsOpData", "is_sparse_torch", "rows_op_data"]
 
 #: Payload bytes a rows op's message carries at most (the aggregator refuses frames over
 #: 64 MiB by default); fewer, larger messages cut the fixed cost of a sparse op.
 ROWS_MESSAGE_BYTES = 32 << 20
-
-
-def from_storage(values: np.ndarray, dtype: DType) -> Any:
-    """A CPU torch tensor of wire-stored ``values`` (bfloat16 from its uint16 bits), sharing their memory."""
-    import torch
-
-    if dtype is DType.BFLOAT16:
-        return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(values)
 
 
 def is_sparse_torch(x: Any) -> bool:

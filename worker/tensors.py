@@ -11,7 +11,7 @@ import numpy as np
 from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError
 
-__all__ = ["to_flat", "shares_memory", "is_torch"]
+__all__ = ["to_flat", "from_storage", "shares_memory", "is_torch"]
 
 _NUMPY_TYPES = "float32, float64, float16, int8, uint8, int16, int32 and int64"
 _TORCH_TYPES = "float32, float64, float16, bfloat16, int8, uint8, int16, int32 and int64"
@@ -61,8 +61,7 @@ def _torch_to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], An
     t = x.detach().contiguous().reshape(-1)
     if t.dtype == torch.bfloat16:
         flat = t.view(torch.int16).numpy().view(np.uint16)
-        return flat, DType.BFLOAT16, lambda out: (
-            torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).reshape(shape))
+        return flat, DType.BFLOAT16, lambda out: from_storage(out, DType.BFLOAT16).reshape(shape)
     names = {
         torch.float32: DType.FLOAT32, torch.float64: DType.FLOAT64, torch.float16: DType.FLOAT16,
         torch.int8: DType.INT8, torch.uint8: DType.UINT8, torch.int16: DType.INT16, torch.int32: DType.INT32,
@@ -71,6 +70,15 @@ def _torch_to_flat(x: Any) -> tuple[np.ndarray, DType, Callable[[np.ndarray], An
     if t.dtype not in names:
         raise ConfigError(f"allreduce supports {_TORCH_TYPES} tensors, got {t.dtype}")
     return t.numpy(), names[t.dtype], lambda out: torch.from_numpy(out).reshape(shape)
+
+
+def from_storage(values: np.ndarray, dtype: DType) -> Any:
+    """A CPU torch tensor of wire-stored ``values`` (bfloat16 from its uint16 bits), sharing their memory."""
+    import torch
+
+    if dtype is DType.BFLOAT16:
+        return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(values)
 
 
 def shares_memory(x: Any, flat: np.ndarray) -> bool:

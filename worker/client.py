@@ -32,7 +32,7 @@ from worker.auto import PathChooser
 from worker.connection import Connection
 from worker.cuda import CudaOpData, is_cuda_tensor
 from worker.op import OpRequest, check_destination
-from worker.rows import RowsOpData, SparseRows, is_sparse_torch, rows_op_data
+from worker.rows import RowsOpData, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
 from worker.stats import OpStats, Stats
 from worker.tensors import shares_memory, to_flat
@@ -197,10 +197,8 @@ class Worker(SettingsView):
                                   f"got {v!r}")
         data: CudaOpData | RowsOpData | None = None
         layout: Layout | None = None
-        if isinstance(x, SparseRows) or is_sparse_torch(x):
-            if inplace or out is not None:
-                raise ConfigError("an allreduce of sparse rows returns new rows: inplace and out are not supported")
-            data = rows_op_data(x)
+        if is_rows(x):
+            data = rows_op_data(x, inplace, out)
             flat, dtype, length = None, data.dtype, data.length
             restore = data.restore
             layout = data.layout()  # its own, from the row count: not the settings' streams

@@ -29,7 +29,7 @@ from omnireduce.errors import ConfigError
 from omnireduce.layout import Layout
 from worker.tensors import from_storage, is_torch, to_flat
 
-__all__ = ["ROWS_MESSAGE_BYTES", "SparseRows", "RowsOpData", "is_sparse_torch", "rows_op_data"]
+__all__ = ["ROWS_MESSAGE_BYTES", "SparseRows", "RowsOpData", "is_rows", "is_sparse_torch", "rows_op_data"]
 
 #: Payload bytes a rows op's message carries at most (the aggregator refuses frames over
 #: 64 MiB by default); fewer, larger messages cut the fixed cost of a sparse op.
@@ -247,12 +247,20 @@ class RowsOpData:
         return result if self.sparse_dim is None else result.to_torch(self.sparse_dim)
 
 
-def rows_op_data(x: Any) -> RowsOpData:
+def is_rows(x: Any) -> bool:
+    """Whether an allreduce of ``x`` sums rows: :class:`SparseRows` or a sparse COO torch tensor."""
+    return isinstance(x, SparseRows) or is_sparse_torch(x)
+
+
+def rows_op_data(x: Any, inplace: bool = False, out: Any = None) -> RowsOpData:
     """The data path of an allreduce of ``x``: :class:`SparseRows` or a sparse COO torch tensor.
 
     Raises:
-        ConfigError: the rows or their dtype are not supported.
+        ConfigError: the rows or their dtype are not supported, or ``inplace``/``out``
+            asked of them (the sum of rows is new rows).
     """
+    if inplace or out is not None:
+        raise ConfigError("an allreduce of sparse rows returns new rows: inplace and out are not supported")
     if isinstance(x, SparseRows):
         return RowsOpData(x)
     return RowsOpData(SparseRows.from_torch(x), x.sparse_dim())

@@ -37,7 +37,7 @@ from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClose
 from worker.client import Worker
 from worker.cuda import is_cuda_tensor
 from worker.op import check_destination, lazy_zeros, pages_written
-from worker.rows import SparseRows, is_sparse_torch, rows_op_data
+from worker.rows import SparseRows, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
 from worker.stats import OpStats, Stats, merge_parallel
 from worker.tensors import is_torch, shares_memory, to_flat
@@ -209,7 +209,7 @@ class ShardedWorker(SettingsView):
             ConfigError: ``x`` is not supported, or ``inplace``/``out`` do not fit it.
             WorkerClosedError: the worker is closed, or a shard refused an earlier op.
         """
-        if isinstance(x, SparseRows) or is_sparse_torch(x):
+        if is_rows(x):
             chunks, finish = self._split_rows(x, inplace, out)
             chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
         elif is_cuda_tensor(x):
@@ -306,9 +306,7 @@ class ShardedWorker(SettingsView):
     def _split_rows(self, x: Any, inplace: bool, out: Any) -> tuple[list[Any], Any]:
         # Chunk k is a contiguous range of rows, as a dense tensor's chunk is of blocks
         # (a row is a block); each shard returns the union of its range's rows.
-        if inplace or out is not None:
-            raise ConfigError("an allreduce of sparse rows returns new rows: inplace and out are not supported")
-        data = rows_op_data(x)
+        data = rows_op_data(x, inplace, out)
         rows = data.x
         bounds = shard_bounds(rows.num_rows, 1, len(self.shards))
         chunks = [rows.slice_rows(lo, hi) for lo, hi in bounds]

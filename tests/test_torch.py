@@ -152,9 +152,14 @@ def test_killed_aggregator_fails_backward_on_every_rank(tmp_path) -> None:
         _, rank, at, message, state_error = event
         # Within the worker's timeout (plus a step's worth of slack), never a hang.
         assert at - killed_at < timeout + 2.0, (rank, at - killed_at)
-        assert "no answer from the aggregator" in message and "job='doomed'" in message, message
-        assert "OpTimeoutError" in message
-        assert "no answer from the aggregator" in state_error
+        assert "job='doomed'" in message, message
+        # An op in flight when the aggregator died fails at once on the lost connection;
+        # one started after it fails at the worker's timeout: either, never silence.
+        causes = {"OpTimeoutError": "no answer from the aggregator",
+                  "ConnectionLostError": "lost the connection to the aggregator"}
+        cause = [c for c in causes if f"{c}: {causes[c]}" in message]
+        assert len(cause) == 1, message
+        assert causes[cause[0]] in state_error, state_error
 
 
 def _free_port_pair() -> int:

@@ -147,6 +147,8 @@ def run_world(
             log = os.path.join(run_dir, f"rank{r}-w{w}.log")
             logs.append(log)
             env = _env(placement.rank_env[r] if placement.rank_env else None)
+            # Every rank runs on this machine: they share its cores (the mask pass's threads).
+            env.setdefault("LOCAL_WORLD_SIZE", str(w))
             with open(log, "w") as errf:
                 procs.append(subprocess.Popen(
                     [*placement.rank_prefixes[r], sys.executable, "-m", "bench.procs", "rank", str(r), spec_path],

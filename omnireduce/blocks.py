@@ -12,7 +12,7 @@ import logging
 
 import numpy as np
 
-from omnireduce import kernels
+from omnireduce import config, kernels
 from omnireduce.errors import ConfigError
 from omnireduce.layout import INF, Layout
 
@@ -42,6 +42,8 @@ __all__ = [
 # way: np.flatnonzero + np.take (gather below) matched or beat the Numba
 # gather at every size, so gather and scatter stay NumPy.
 _NUMBA_MIN_ELEMENTS = 1 << 16
+# Below this a pass takes tens of microseconds: waking numba's threads would cost more.
+_PARALLEL_MIN_BYTES = 4 << 20
 # From this many elements added on, add_rows calls the Numba kernel (below it the
 # call's overhead is more than NumPy's extra passes cost).
 _ADD_ROWS_NUMBA_MIN = 1 << 12
@@ -105,7 +107,8 @@ def block_mask(flat: np.ndarray, block_size: int, threshold: float = 0.0) -> np.
         ConfigError: bad threshold or dtype.
     """
     if kernels.HAVE_NUMBA and flat.shape[0] >= _NUMBA_MIN_ELEMENTS:
-        return kernels.block_mask_cpu(flat, block_size, threshold, parallel=False)
+        threads = config.mask_threads() if flat.nbytes >= _PARALLEL_MIN_BYTES else 1
+        return kernels.block_mask_cpu(flat, block_size, threshold, parallel=threads)
     return block_mask_numpy(flat, block_size, threshold)
 
 

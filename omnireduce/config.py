@@ -59,6 +59,10 @@ __all__ = [
     "DEFAULT_HEARTBEAT",
     "DEFAULT_HEARTBEAT_TIMEOUT",
     "PROBE_DENSE",
+    "LOCAL_WORLD_SIZE",
+    "OMNIREDUCE_MASK_THREADS",
+    "MAX_MASK_THREADS",
+    "mask_threads",
     "resolve",
     "resolve_optional",
     "resolve_generation",
@@ -104,6 +108,12 @@ TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 #: torchrun's names for the worker's rank and the number of workers.
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
+#: torchrun's number of ranks on this machine: they share its cores.
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+#: Threads of a worker's CPU mask pass (an integer >= 1). Unset: the cores this process
+#: may run on divided by ``LOCAL_WORLD_SIZE`` (at most :data:`MAX_MASK_THREADS`), or 1
+#: when ``LOCAL_WORLD_SIZE`` is unset (nothing says the cores are free).
+OMNIREDUCE_MASK_THREADS = "OMNIREDUCE_MASK_THREADS"
 
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MESSAGE_BLOCKS = 4096
@@ -113,6 +123,8 @@ DEFAULT_MODE = "sparse"
 DEFAULT_JOB = "default"
 DEFAULT_HEARTBEAT = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
+#: The mask pass streams memory: beyond a few threads the bandwidth, not the cores, bounds it.
+MAX_MASK_THREADS = 8
 
 #: Not a setting: the fraction of probed blocks above which the CPU mask kernel
 #: (:mod:`omnireduce.kernels.cpu`) takes a tensor as mostly dense and stops at each block's
@@ -151,6 +163,39 @@ def resolve(
     if default is None:
         raise ConfigError(f"no value given and environment variable {env} is not set")
     return default
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise ValueError("must be at least 1")
+    return n
+
+
+def mask_threads(value: int | None = None) -> int:
+    """Threads for a worker's CPU mask pass.
+
+    Precedence: ``value``, then ``OMNIREDUCE_MASK_THREADS``, then the usable cores
+    divided by ``LOCAL_WORLD_SIZE`` (capped at :data:`MAX_MASK_THREADS`), then 1.
+    The threads are only worth it where cores sit idle while the rank scans its
+    gradient: more cores than ranks on the machine.
+
+    Raises:
+        ConfigError: a value or variable that is not an integer >= 1.
+    """
+    if value is not None:
+        if value < 1:
+            raise ConfigError(f"mask threads must be at least 1, got {value}")
+        return value
+    explicit = resolve_optional(None, OMNIREDUCE_MASK_THREADS, _positive_int)
+    if explicit is not None:
+        return explicit
+    local = resolve_optional(None, LOCAL_WORLD_SIZE, _positive_int)
+    if local is None:
+        return 1
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return max(1, min(MAX_MASK_THREADS, cores // local))
 
 
 def resolve_optional(value: T | None, env: str, parse: Callable[[str], T]) -> T | None:

@@ -186,3 +186,45 @@ def test_mask_of_mostly_dense_tensors(dtype) -> None:
         assert expect.mean() > 0.8
         np.testing.assert_array_equal(kernels.block_mask_cpu(x, bs, parallel=False), expect, err_msg=f"bs={bs}")
         np.testing.assert_array_equal(blocks.block_mask(x, bs), expect, err_msg=f"bs={bs}")
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("first", [False, True], ids=["streamed", "first-word"])
+def test_threaded_word_mask_equals_serial(threads, first) -> None:
+    # The word-wise path (8-byte-aligned blocks) in runs of blocks per thread, incl. a short last
+    # block and a count of blocks that does not divide by the runs.
+    rng = np.random.default_rng(threads)
+    bs, nb = 64, 4099
+    x = np.zeros(bs * nb + 17, np.float32)
+    nonzero = rng.random(nb + 1) < (0.9 if first else 0.05)
+    where = rng.integers(0, bs, nb + 1)
+    for b in np.flatnonzero(nonzero):
+        x[min(b * bs + where[b], x.size - 1)] = -1e-30 if b % 2 else 3.0
+    x[bs * 7] = -0.0  # the sign bit alone is zero
+    expect = ref_mask(x, bs, 0.0)
+    np.testing.assert_array_equal(kernels.block_mask_cpu(x, bs, parallel=False), expect)
+    np.testing.assert_array_equal(kernels.block_mask_cpu(x, bs, parallel=threads), expect)
+
+
+def test_mask_threads_precedence(monkeypatch) -> None:
+    from omnireduce import config
+
+    monkeypatch.delenv(config.OMNIREDUCE_MASK_THREADS, raising=False)
+    monkeypatch.delenv(config.LOCAL_WORLD_SIZE, raising=False)
+    assert config.mask_threads() == 1  # nothing says the cores are free
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setenv(config.LOCAL_WORLD_SIZE, "4")
+    assert config.mask_threads() == 4
+    monkeypatch.setenv(config.LOCAL_WORLD_SIZE, "1")
+    assert config.mask_threads() == config.MAX_MASK_THREADS
+    monkeypatch.setenv(config.LOCAL_WORLD_SIZE, "32")
+    assert config.mask_threads() == 1
+    monkeypatch.setenv(config.OMNIREDUCE_MASK_THREADS, "3")
+    assert config.mask_threads() == 3
+    assert config.mask_threads(2) == 2
+    for bad in ("0", "x"):
+        monkeypatch.setenv(config.OMNIREDUCE_MASK_THREADS, bad)
+        with pytest.raises(ConfigError, match="OMNIREDUCE_MASK_THREADS"):
+            config.mask_threads()
+    with pytest.raises(ConfigError):
+        config.mask_threads(0)

@@ -36,7 +36,9 @@ from bench.driver import Placement, add_args, run
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Topology", "cleanup_stale", "main", "parse_args", "preflight", "BENCH_RANGE"]
+__all__ = [
+    "Topology", "cleanup_stale", "main", "measure_link", "parse_args", "preflight", "signals_raise", "BENCH_RANGE",
+]
 
 #: RFC 2544's benchmarking range: the only addresses this benchmark may use.
 BENCH_RANGE = ipaddress.ip_network("198.18.0.0/15")
@@ -247,7 +249,7 @@ def _rate_bits(rate: str) -> int:
 
 
 @contextmanager
-def _signals_raise() -> Iterator[None]:
+def signals_raise() -> Iterator[None]:
     """Turns SIGTERM, SIGHUP and SIGINT into one KeyboardInterrupt so ``finally`` blocks run."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     stale = cleanup_stale()
     if stale:
         logger.warning("removed leftovers of an earlier run: %s", " ".join(stale))
-    with _signals_raise():
+    with signals_raise():
         topo = Topology(max(args.workers), rate=args.rate, subnet=args.subnet, delay_us=args.delay_us, mtu=args.mtu,
                         aggregator_rate=args.aggregator_rate, aggregators=args.shards)
         try:

@@ -18,7 +18,10 @@ from bench.common import RankSpec, is_colocated
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BenchError", "Placement", "run_world", "ROOT"]
+__all__ = [
+    "BenchError", "Placement", "run_world", "start_aggregators", "release_aggregators", "collect", "child_env",
+    "log_tail", "stop_all", "launch_rank", "ROOT",
+]
 
 #: The repository root, put on the children's PYTHONPATH so ``bench`` imports anywhere.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,14 +51,14 @@ class Placement:
     rank_listen: list[str] = field(default_factory=list)
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra or {})
     return env
 
 
-def _tail(path: str, chars: int = 3000) -> str:
+def log_tail(path: str, chars: int = 3000) -> str:
     try:
         with open(path, errors="replace") as f:
             return f.read()[-chars:]
@@ -63,7 +66,8 @@ def _tail(path: str, chars: int = 3000) -> str:
         return ""
 
 
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
+def stop_all(procs: Sequence[subprocess.Popen]) -> None:
+    """Terminates the processes still running (killed after a grace period); closes their pipes."""
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -74,6 +78,9 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    for p in procs:
+        if p.stdout is not None:
+            p.stdout.close()
 
 
 def _readline(stream: IO[str], deadline: float, what: str) -> str:
@@ -118,24 +125,10 @@ def run_world(
     logs: list[str] = []
     aggs: list[subprocess.Popen] = []
     try:
-        addresses = []
         # Co-located ranks serve their own shards: aggregator processes only for the others.
         dedicated = any(s.startswith("omnireduce") and not is_colocated(s) for s in spec.systems)
-        for k, (listen, prefix) in enumerate(placement.aggregators if dedicated else []):
-            agg_log = os.path.join(run_dir, f"aggregator{k}-w{w}.log")
-            logs.append(agg_log)
-            with open(agg_log, "w") as errf:
-                agg = subprocess.Popen(
-                    [*prefix, sys.executable, "-m", "bench.procs", "aggregator", listen, str(spec.op_timeout)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, text=True, env=_env(), cwd=ROOT,
-                )
-            procs.append(agg)
-            aggs.append(agg)
-            assert agg.stdout is not None
-            line = _readline(agg.stdout, min(deadline, time.monotonic() + 60), f"aggregator {k}'s address")
-            if not line:
-                raise BenchError(f"aggregator {k} exited with {agg.wait()}:\n{_tail(agg_log)}")
-            addresses.append(json.loads(line)["address"])
+        aggs, addresses = start_aggregators(placement if dedicated else None, run_dir, f"w{w}", spec.op_timeout,
+                                            deadline, procs, logs)
         # Several shards: the workers get them as one comma-separated address (worker.sharded).
         spec.address = ",".join(addresses)
         spec.colocated_listen = placement.rank_listen or ["tcp://127.0.0.1:0"] * w
@@ -146,35 +139,97 @@ def run_world(
         for r in range(w):
             log = os.path.join(run_dir, f"rank{r}-w{w}.log")
             logs.append(log)
-            env = _env(placement.rank_env[r] if placement.rank_env else None)
+            env = child_env(placement.rank_env[r] if placement.rank_env else None)
             # Every rank runs on this machine: they share its cores (the mask pass's threads).
             env.setdefault("LOCAL_WORLD_SIZE", str(w))
-            with open(log, "w") as errf:
-                procs.append(subprocess.Popen(
-                    [*placement.rank_prefixes[r], sys.executable, "-m", "bench.procs", "rank", str(r), spec_path],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-                    stderr=errf, text=True, env=env, cwd=ROOT,
-                ))
-        _collect(procs, logs, deadline, on_event, len(aggs))
-        for agg in aggs:
-            assert agg.stdin is not None
-            agg.stdin.close()
-        for k, agg in enumerate(aggs):
-            try:
-                agg.wait(timeout=_GRACE_S)
-            except subprocess.TimeoutExpired:
-                logger.warning("aggregator %d did not exit when asked; it is stopped", k)
+            procs.append(launch_rank(
+                [*placement.rank_prefixes[r], sys.executable, "-m", "bench.procs", "rank", str(r), spec_path],
+                env, log, r))
+        collect(procs, logs, deadline, on_event, len(aggs))
+        release_aggregators(aggs)
     finally:
-        _stop(procs)
-        for p in procs:
-            if p.stdout is not None:
-                p.stdout.close()
+        stop_all(procs)
 
 
-def _collect(
+def launch_rank(cmd: list[str], env: dict[str, str], log: str, rank: int) -> subprocess.Popen:
+    """Starts a rank process; rank 0's stdout is a pipe (its events), everyone's stderr goes to ``log``."""
+    with open(log, "w") as errf:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                                stderr=errf, text=True, env=env, cwd=ROOT)
+
+
+def start_aggregators(
+    placement: Placement | None, run_dir: str, tag: str, op_timeout: float, deadline: float,
+    procs: list[subprocess.Popen], logs: list[str],
+) -> tuple[list[subprocess.Popen], list[str]]:
+    """Starts one aggregator process per shard of ``placement`` (none for None).
+
+    Args:
+        placement: where the aggregators run; None starts none.
+        run_dir: folder of their logs.
+        tag: part of the log names (e.g. the world size).
+        op_timeout: seconds an operation may take at the aggregators.
+        deadline: ``time.monotonic()`` by which each must have said its address.
+        procs: the processes started are appended (the caller stops them all).
+        logs: their log files are appended, in the order of ``procs``.
+
+    Returns:
+        The aggregator processes (close their stdin to stop them) and their addresses.
+
+    Raises:
+        BenchError: one exited or did not say its address in time.
+    """
+    aggs: list[subprocess.Popen] = []
+    addresses: list[str] = []
+    for k, (listen, prefix) in enumerate(placement.aggregators if placement is not None else []):
+        agg_log = os.path.join(run_dir, f"aggregator{k}-{tag}.log")
+        logs.append(agg_log)
+        with open(agg_log, "w") as errf:
+            agg = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "bench.procs", "aggregator", listen, str(op_timeout)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, text=True, env=child_env(), cwd=ROOT,
+            )
+        procs.append(agg)
+        aggs.append(agg)
+        assert agg.stdout is not None
+        line = _readline(agg.stdout, min(deadline, time.monotonic() + 60), f"aggregator {k}'s address")
+        if not line:
+            raise BenchError(f"aggregator {k} exited with {agg.wait()}:\n{log_tail(agg_log)}")
+        addresses.append(json.loads(line)["address"])
+    return aggs, addresses
+
+
+def release_aggregators(aggs: list[subprocess.Popen]) -> None:
+    """Asks the aggregators to exit (their stdin closes) and waits a grace period for each."""
+    for agg in aggs:
+        assert agg.stdin is not None
+        agg.stdin.close()
+    for k, agg in enumerate(aggs):
+        try:
+            agg.wait(timeout=_GRACE_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("aggregator %d did not exit when asked; it is stopped", k)
+
+
+def collect(
     procs: list[subprocess.Popen], logs: list[str], deadline: float, on_event: Callable[[dict[str, Any]], None],
-    n_aggs: int = 1,
+    n_aggs: int = 1, types: tuple[str, ...] = ("result",),
 ) -> None:
+    """Passes rank 0's events of ``types`` to ``on_event`` until it exits; waits for every rank.
+
+    Args:
+        procs: the aggregators (the first ``n_aggs``), then the ranks in order; rank 0's
+            stdout is a pipe of JSON lines.
+        logs: every process's log file, in the order of ``procs``.
+        deadline: ``time.monotonic()`` past which the run fails.
+        on_event: called with each event.
+        n_aggs: aggregator processes at the front of ``procs``.
+        types: the events' ``type`` values to pass on.
+
+    Raises:
+        BenchError: a process failed or the deadline passed; the logs' tails are in the message.
+    """
     ranks = procs[n_aggs:]
     out = ranks[0].stdout
     assert out is not None
@@ -186,7 +241,7 @@ def _collect(
             if failed:
                 i, p = failed[0]
                 name = f"aggregator {i}" if i < n_aggs else f"rank {i - n_aggs}"
-                raise BenchError(f"{name} exited with {p.returncode}:\n{_tail(logs[i])}")
+                raise BenchError(f"{name} exited with {p.returncode}:\n{log_tail(logs[i])}")
             if time.monotonic() > deadline:
                 raise BenchError("the run went past its time limit; partial results were kept")
             if not sel.select(0.5):
@@ -199,7 +254,7 @@ def _collect(
             except json.JSONDecodeError:
                 logger.warning("rank 0 printed: %s", line.rstrip())
                 continue
-            if event.get("type") == "result":
+            if event.get("type") in types:
                 on_event(event)
     finally:
         sel.close()
@@ -210,7 +265,7 @@ def _collect(
         except subprocess.TimeoutExpired:
             raise BenchError(f"rank {i - n_aggs} did not exit before the time limit") from None
         if rc != 0:
-            raise BenchError(f"rank {i - n_aggs} exited with {rc}:\n{_tail(logs[i])}")
+            raise BenchError(f"rank {i - n_aggs} exited with {rc}:\n{log_tail(logs[i])}")
 
 
 def add_args(p: Any) -> None:

@@ -1,0 +1,230 @@
+"""One rank of :mod:`bench.train`: a replica of the model per system, trained step by step, interleaved.
+
+Launched the way torchrun launches a rank: ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` in the environment, ``init_process_group("gloo")``
+from them. The systems share the process and the gloo group, and take turns on every
+step (the order rotates each step), so a slow moment of the machine falls on all of
+them alike. Every replica starts from the same parameters and sees the same batches;
+all of them compute the same gradients, so their parameters stay equal up to float
+rounding, which rank 0 reports at the end.
+
+Systems:
+
+- ``gloo-dense``: DDP's default allreduce of dense gradients (``sparse=False`` embeddings).
+- ``gloo-sparse``: ``sparse=True`` embeddings; DDP allreduces their COO gradients through
+  gloo (an allgather of every rank's rows): torch's own sparse path.
+- ``omnireduce``: dense gradients through the omnireduce DDP hook (block mask per bucket).
+- ``omnireduce-sparse``: ``sparse=True`` embeddings through the hook: rows are blocks, no mask.
+- ``omnireduce-colocated``: as ``omnireduce-sparse``, every rank serving one aggregator shard.
+- ``omnireduce-auto``: dense gradients, each bucket through omnireduce or gloo, whichever the
+  cost model predicts faster.
+
+Rank 0 prints one JSON object per line on stdout (``step`` and ``params`` events).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bench import train_models
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SYSTEMS", "SPARSE_SYSTEMS", "Replica", "net_bytes", "run"]
+
+SYSTEMS = (
+    "gloo-dense", "gloo-sparse", "omnireduce", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto",
+)
+#: The systems whose models have ``sparse=True`` embeddings (COO gradients).
+SPARSE_SYSTEMS = frozenset({"gloo-sparse", "omnireduce-sparse", "omnireduce-colocated"})
+#: The system the others' parameters are compared with.
+REFERENCE = "gloo-dense"
+
+
+def net_bytes(iface: str | None) -> tuple[int, int] | None:
+    """(received, sent) bytes of ``iface`` in this process's network namespace, or None.
+
+    ``/proc/net/dev`` shows the namespace of the reading process, so in a rank's own
+    namespace it counts that rank's traffic alone.
+    """
+    if not iface:
+        return None
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == iface:
+                    fields = rest.split()
+                    return int(fields[0]), int(fields[8])
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class Replica:
+    """One system's copy of the model, its optimiser and its communication."""
+
+    system: str
+    model: DDP
+    optimizer: torch.optim.Optimizer
+    worker: Any = None
+    state: Any = None
+    seconds: float = 0.0
+    loss: float = 0.0
+    metric: float = 0.0
+    received: int | None = None
+    sent: int | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+def _replica(system: str, spec: train_models.ModelSpec, cfg: dict[str, Any], rank: int, world: int) -> Replica:
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    module = spec.build(sparse=system in SPARSE_SYSTEMS, seed=cfg["seed"])
+    model = DDP(module)
+    if cfg.get("optimizer", "model") == "sgd":
+        # Plain SGD: a parameter moves by lr x its gradient, so the replicas' gaps stay at the
+        # rounding of the sums (Adagrad divides by the gradient's own size: a rounding-sized
+        # gradient of a row can move it by lr).
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=spec.lr)
+    else:
+        optimizer = spec.optimizer(model.parameters())
+    replica = Replica(system, model, optimizer)
+    if system.startswith("omnireduce"):
+        from worker import connect
+        from worker.colocated import torch_exchange
+        from worker.ddp import OmniReduceState, omnireduce_hook
+
+        options: dict[str, Any] = dict(rank=rank, world_size=world, job=f"{cfg['job']}-{system}",
+                                       timeout=cfg["op_timeout"])
+        if system == "omnireduce-colocated":
+            replica.worker = connect(exchange=torch_exchange(), listen=cfg["colocated_listen"][rank], **options)
+        else:
+            replica.worker = connect(cfg["address"], **options)
+        if system == "omnireduce-auto":
+            replica.state = OmniReduceState(replica.worker, dense_group=dist.group.WORLD, mode="auto")
+        else:
+            replica.state = OmniReduceState(replica.worker)
+        model.register_comm_hook(replica.state, omnireduce_hook)
+    return replica
+
+
+def _step(replica: Replica, spec: train_models.ModelSpec, batch: tuple[torch.Tensor, ...], iface: str | None) -> None:
+    before = net_bytes(iface)
+    t0 = time.perf_counter()
+    replica.optimizer.zero_grad(set_to_none=True)
+    loss, metric = spec.loss(replica.model, batch)
+    loss.backward()
+    replica.optimizer.step()
+    replica.seconds = time.perf_counter() - t0
+    after = net_bytes(iface)
+    replica.loss = float(loss.detach())
+    replica.metric = float(metric)
+    if before is not None and after is not None:
+        replica.received, replica.sent = after[0] - before[0], after[1] - before[1]
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _param_gap(replica: Replica, reference: Replica) -> dict[str, float]:
+    """Largest absolute difference from the reference's parameters, and its relative size."""
+    worst = 0.0
+    scale = 0.0
+    for p, q in zip(replica.model.parameters(), reference.model.parameters(), strict=True):
+        worst = max(worst, float((p.detach() - q.detach()).abs().max()))
+        scale = max(scale, float(q.detach().abs().max()))
+    return {"max_abs_diff": worst, "max_abs_param": scale}
+
+
+def run(cfg: dict[str, Any]) -> None:
+    """Trains every system of ``cfg`` for ``cfg["steps"]`` steps on this rank.
+
+    Args:
+        cfg: the run's settings, written by :mod:`bench.train`: model, scale, seed,
+            steps, batch, systems, job, address (the aggregator), colocated_listen
+            (per rank), iface (the rank's network interface, for byte counts; None on
+            loopback), op_timeout, torch_threads, optimizer ("model": the model's own,
+            or "sgd").
+    """
+    torch.set_num_threads(int(cfg["torch_threads"]))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = train_models.get(cfg["model"], scale=cfg["scale"], seed=cfg["seed"])
+    batch_size = int(cfg["batch"] or spec.default_batch)
+    replicas = [_replica(s, spec, cfg, rank, world) for s in cfg["systems"]]
+    iface = cfg.get("iface")
+    try:
+        for step in range(int(cfg["steps"])):
+            batch = spec.batch(rank, world, step, batch_size)
+            k = step % len(replicas)
+            for replica in replicas[k:] + replicas[:k]:
+                # Every rank starts the step together: a system's time is its own step alone.
+                dist.barrier()
+                _step(replica, spec, batch, iface)
+            # The ranks' mean loss and metric, and the slowest rank's time: the step's real time.
+            values = torch.tensor([[r.loss, r.metric] for r in replicas], dtype=torch.float64)
+            dist.all_reduce(values)
+            values /= world
+            seconds = torch.tensor([r.seconds for r in replicas], dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                for i, r in enumerate(replicas):
+                    event: dict[str, Any] = {
+                        "type": "step", "system": r.system, "step": step, "seconds": float(seconds[i]),
+                        "loss": float(values[i, 0]), "metric": float(values[i, 1]), "samples": batch_size * world,
+                        "bytes_sent": r.sent, "bytes_received": r.received,
+                    }
+                    if r.worker is not None and r.worker.stats.total is not None:
+                        total = r.worker.stats.total
+                        event["protocol_bytes_sent"] = total.bytes_sent
+                        event["dense_bytes"] = total.dense_bytes
+                    if r.state is not None:
+                        event["paths"] = dict(r.state.paths)
+                    _emit(event)
+        reference = next((r for r in replicas if r.system == REFERENCE), replicas[0])
+        if rank == 0:
+            for r in replicas:
+                _emit({"type": "params", "system": r.system, "reference": reference.system,
+                       **_param_gap(r, reference)})
+        dist.barrier()
+    finally:
+        for r in replicas:
+            r.close()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if len(args) != 1:
+        print("usage: python -m bench.train_rank CONFIG.json (with torchrun's environment)", file=sys.stderr)
+        return 2
+    with open(args[0]) as f:
+        cfg = json.load(f)
+    run(cfg)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skips interpreter teardown, where a hung ZeroMQ context would block the exit.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

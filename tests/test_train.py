@@ -1,0 +1,111 @@
+"""bench.train: every system trains every model to gloo's parameters; the summary's arithmetic."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from bench.train import smoothed, summarise  # noqa: E402
+from bench.train_rank import SYSTEMS  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = ("ctr", "ncf", "lm")
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def loopback_run(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = str(tmp_path_factory.mktemp("train"))
+    # Plain SGD: every replica then stays equal to gloo's up to the rounding of the sums.
+    cmd = [sys.executable, "-m", "bench.train", "--rate", "loopback", "--models", *MODELS, "--scale", "0.01",
+           "--steps", str(STEPS), "--workers", "2", "--optimizer", "sgd", "--op-timeout", "60",
+           "--time-limit", "240", "--out", out]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out
+
+
+def test_every_system_reaches_gloos_parameters(loopback_run: str) -> None:
+    with open(os.path.join(loopback_run, "results.json")) as f:
+        results = json.load(f)
+    gaps = {(p["model"], p["system"]): p for p in results["params"]}
+    assert set(gaps) == {(m, s) for m in MODELS for s in SYSTEMS}
+    for (model, system), p in gaps.items():
+        assert p["reference"] == "gloo-dense"
+        # A missed average or a lost row moves a parameter by lr x a gradient (1e-3 and up here).
+        assert p["max_abs_diff"] <= 1e-6, f"{model} {system}: parameters differ from gloo dense by {p['max_abs_diff']}"
+        assert p["max_abs_param"] > 0
+    # Every step of every system: the same loss (the same model on the same batches).
+    losses: dict[tuple[str, int], dict[str, float]] = {}
+    for e in results["steps"]:
+        losses.setdefault((e["model"], e["step"]), {})[e["system"]] = e["loss"]
+    assert len(losses) == len(MODELS) * STEPS
+    for key, by_system in losses.items():
+        assert set(by_system) == set(SYSTEMS), key
+        ref = by_system["gloo-dense"]
+        for system, loss in by_system.items():
+            assert loss == pytest.approx(ref, rel=1e-5), (key, system)
+    # The omnireduce systems really went through omnireduce: their ops counted sparse paths.
+    last = {(e["model"], e["system"]): e for e in results["steps"] if e["step"] == STEPS - 1}
+    for model in MODELS:
+        for system in ("omnireduce", "omnireduce-sparse", "omnireduce-colocated"):
+            assert last[model, system]["paths"]["sparse"] > 0, (model, system)
+            assert last[model, system]["protocol_bytes_sent"] > 0
+        assert "paths" not in last[model, "gloo-dense"]
+
+
+def test_outputs_are_written(loopback_run: str) -> None:
+    with open(os.path.join(loopback_run, "steps.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(MODELS) * len(SYSTEMS) * STEPS
+    with open(os.path.join(loopback_run, "results.json")) as f:
+        summary = json.load(f)["summary"]
+    assert {(r["model"], r["system"]) for r in summary} == {(m, s) for m in MODELS for s in SYSTEMS}
+    for r in summary:
+        assert r["step_s_median"] > 0 and r["samples_per_s"] > 0
+        assert r["link_bytes_per_step"] is None  # loopback: no per-rank interface to count
+    for model in MODELS:
+        assert os.path.getsize(os.path.join(loopback_run, f"loss-{model}-loopback-w2.png")) > 1000
+
+
+def _events(system: str, seconds: list[float], losses: list[float]) -> list[dict]:
+    return [{"model": "m", "rate": "r", "workers": 2, "system": system, "step": i, "seconds": s, "loss": v,
+             "metric": 0.5, "samples": 64, "bytes_sent": 100, "bytes_received": 50}
+            for i, (s, v) in enumerate(zip(seconds, losses, strict=True))]
+
+
+def test_summary_speedups_and_time_to_target() -> None:
+    losses = [1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
+    dense = _events("gloo-dense", [5.0] + [0.2] * 9, losses)
+    fast = _events("omnireduce", [9.0] + [0.05] * 9, losses)
+    slow = _events("gloo-sparse", [0.1] * 10, [v + 1 for v in losses])  # never reaches the target
+    rows = {r["system"]: r for r in summarise(dense + fast + slow, [], warmup=1, target_at=0.5)}
+    # 10 steps: a trailing mean over 2; the target is gloo dense's at step 4: (0.7 + 0.6) / 2.
+    assert rows["gloo-dense"]["target_loss"] == pytest.approx(0.65)
+    assert rows["omnireduce"]["steps_to_target"] == 5
+    # The warm-up step counts at the median (0.05), not its 9 s.
+    assert rows["omnireduce"]["seconds_to_target"] == pytest.approx(5 * 0.05)
+    assert rows["gloo-dense"]["seconds_to_target"] == pytest.approx(5 * 0.2)
+    assert rows["gloo-sparse"]["steps_to_target"] is None and rows["gloo-sparse"]["seconds_to_target"] is None
+    assert rows["omnireduce"]["x_gloo-dense"] == pytest.approx(4.0)
+    assert rows["omnireduce"]["x_gloo-sparse"] == pytest.approx(2.0)
+    assert rows["omnireduce"]["samples_per_s"] == pytest.approx(64 / 0.05)
+    assert rows["omnireduce"]["link_bytes_per_step"] == 150
+
+
+def test_smoothed_is_a_trailing_mean() -> None:
+    assert smoothed([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert smoothed([2.0], 5) == [2.0]
+
+
+def test_bad_arguments_are_refused() -> None:
+    res = subprocess.run([sys.executable, "-m", "bench.train", "--models", "resnet"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "invalid choice" in res.stderr

@@ -2,7 +2,9 @@
 
 :class:`Engine` takes one decoded-or-not message at a time from a peer and
 returns the messages to send. Per op it keeps every worker's next nonzero block
-per column (``nextp``, ranks x columns); per stream and round it knows from that
+per active column (``_Stream.nextp``, ranks x the stream's columns that some worker
+still has a block in: built from the STARTs' pointers, so an op costs what its
+nonzero blocks do, not what its columns do); per stream and round it knows from that
 table exactly which workers must send, sums their blocks in rank order once all
 have, and answers every worker with the sums and the next instruction: the
 per-column minimum of the workers' next pointers.
@@ -43,8 +45,8 @@ from omnireduce.protocol import (
     buffer_of,
     decode,
     encode,
-    expand_pointers,
     index_array,
+    pointer_columns,
 )
 
 logger = logging.getLogger(__name__)
@@ -75,11 +77,13 @@ def _params(msg: Start) -> tuple[Any, ...]:
 @dataclass(slots=True)
 class _Stream:
     index: int
-    # The stream's columns; ``cols`` the ones still active (a finite instruction),
-    # ascending, or None while all are. A column whose instruction is INF never becomes
-    # active again, so a round costs what its active columns do, not what the stream's do.
+    # The stream's columns; ``cols`` the ones still active (some worker has a block in
+    # them), ascending. A column whose instruction is INF never becomes active again,
+    # so a round costs what its active columns do, not what the stream's do.
     span: slice
-    cols: np.ndarray | None = None
+    cols: np.ndarray = field(default_factory=lambda: _EMPTY_INDEX)
+    # nextp[w, j]: worker w's next nonzero block in active column j (INF: none left).
+    nextp: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.int64))
     round: int = 0
     # The instructed block of every active column.
     cur: np.ndarray = field(default_factory=lambda: _EMPTY_INDEX)
@@ -93,7 +97,7 @@ class _Stream:
 
     def columns(self, sel: np.ndarray) -> np.ndarray:
         """The absolute columns of the active columns at positions ``sel``."""
-        return sel + self.span.start if self.cols is None else self.cols[sel]
+        return self.cols[sel]
 
 
 @dataclass(slots=True)
@@ -106,7 +110,9 @@ class _Op:
     params: tuple[int, ...]
     started: float
     peers: list[bytes | None]
-    nextp: np.ndarray
+    # Each rank's START pointers (its first nonzero block per column, the finite ones in
+    # column order) until every rank has joined and the streams' tables are built.
+    starts: list[np.ndarray | None]
     streams: list[_Stream]
     streams_left: int
     generation: int = 0
@@ -450,14 +456,11 @@ class Engine:
         op = _Op(
             job=msg.job, op=msg.op, world_size=msg.world_size, layout=layout, dtype=dtype,
             params=_params(msg), started=self._clock(), peers=[None] * msg.world_size,
-            nextp=_EMPTY_INDEX, streams=[], streams_left=layout.num_streams, generation=j.generation,
+            starts=[None] * msg.world_size, streams=[], streams_left=layout.num_streams, generation=j.generation,
         )
-        # Reserve the tables before allocating them, so a huge layout is refused, not attempted.
-        self._hold(op, None, msg.world_size * layout.num_columns * 9 + layout.num_streams * _STREAM_OVERHEAD
-                   + _OP_OVERHEAD)
+        self._hold(op, None, layout.num_streams * _STREAM_OVERHEAD + _OP_OVERHEAD)
         j.ops.add(msg.op)
         self._ops[(msg.job, msg.op)] = op
-        op.nextp = np.full((msg.world_size, layout.num_columns), INF, dtype=np.int64)
         op.streams = [_Stream(s, layout.stream_columns(s)) for s in range(layout.num_streams)]
         self.counters.ops_started += 1
         return op
@@ -493,12 +496,16 @@ class Engine:
             )
         lay = op.layout
         try:
-            first = expand_pointers(index_array(body[0]), 0, lay.num_columns, lay.num_columns, lay.num_blocks)
+            first = index_array(body[0])
+            pointer_columns(first, 0, lay.num_columns, lay.num_columns, lay.num_blocks)
         except ProtocolError as e:
             raise Refused.op_failure(
                 ErrorCode.PROTOCOL, f"rank {msg.rank} sent block pointers outside its columns: {e}", [msg.rank]
             ) from None
-        op.nextp[msg.rank] = first
+        # Reserved before anything is built from them: its pointers, and its share of the
+        # tables (every rank's row over the union of the columns: at most world x its pointers).
+        self._hold(op, None, len(first) * (8 + 9 * op.world_size))
+        op.starts[msg.rank] = first
         op.peers[msg.rank] = peer
         if msg.weight is not None:
             if op.weights is None:
@@ -510,12 +517,34 @@ class Engine:
             op.compute[msg.rank] = msg.compute
         if any(p is None for p in op.peers):
             return []
+        self._build_tables(op)
         batches = self._balance(j, op)
         out: list[Outgoing] = []
         for s in op.streams:
             out += self._advance(op, s, np.empty(0, dtype=op.dtype.storage), batches if s.index == 0 else None)
         self.counters.rounds += len(op.streams)
         return out
+
+    def _build_tables(self, op: _Op) -> None:
+        """Every stream's table of next pointers over its active columns, from the STARTs."""
+        lay = op.layout
+        starts = [p for p in op.starts if p is not None]
+        op.starts = [None] * op.world_size
+        cols = [p % lay.num_columns if len(p) else p for p in starts]
+        union = np.unique(np.concatenate(cols)) if cols else _EMPTY_INDEX
+        for s in op.streams:
+            lo, hi = np.searchsorted(union, [s.span.start, s.span.stop])
+            s.cols = union[lo:hi]
+            s.nextp = np.full((op.world_size, len(s.cols)), INF, dtype=np.int64)
+        for rank, (ptrs, c) in enumerate(zip(starts, cols, strict=True)):
+            if not len(ptrs):
+                continue
+            # Pointers come in column order, and every stream is a contiguous run of columns.
+            bounds = np.searchsorted(c, [s.span.start for s in op.streams] + [lay.num_columns])
+            for k, s in enumerate(op.streams):
+                a, b = bounds[k], bounds[k + 1]
+                if a < b:
+                    s.nextp[rank, np.searchsorted(s.cols, c[a:b])] = ptrs[a:b]
 
     def _check_pointers(
         self, op: _Op, ptrs: np.ndarray, cols: np.ndarray, after: np.ndarray, rank: int
@@ -554,13 +583,14 @@ class Engine:
 
         The last round of the op's last stream completes the op (:meth:`_retire`).
         """
-        table = op.nextp[:, s.span] if s.cols is None else op.nextp[:, s.cols]
+        table = s.nextp
         cur = table.min(axis=0) if len(table) else _EMPTY_INDEX
         active = cur != INF
         if not active.all():
             keep = np.flatnonzero(active)
-            s.cols = s.columns(keep)
-            table, cur = table[:, keep], cur[keep]
+            s.cols = s.cols[keep]
+            s.nextp = table = table[:, keep]
+            cur = cur[keep]
         s.match = table == cur
         s.expected = set(np.flatnonzero(s.match.any(axis=1)).tolist())
         if s.held:
@@ -644,7 +674,7 @@ class Engine:
         # A fixed rank order makes the sums identical from run to run and on every worker.
         for rank in sorted(s.received):
             sel, ptrs, payload = s.received[rank]
-            op.nextp[rank, s.columns(sel)] = ptrs
+            s.nextp[rank, sel] = ptrs
             # A weighted op sums weight * blocks (a weight of 1 is skipped: plain sums stay bit-identical).
             w = 1.0 if op.weights is None else float(op.weights[rank])
             if aligned and len(sel) == k:

@@ -200,14 +200,25 @@ class WorkerOp:
                 own = float(np.count_nonzero(mask)) / len(mask) if len(mask) else 0.0
                 written = pages_written(own, world_size, layout.block_size * dtype.itemsize)
                 self.out = lazy_zeros(layout.length, dtype.storage, written)
-        self._table = blocks.next_table(mask, layout)
-        self._mynext = self._table[0].copy()
+        self._table: np.ndarray | None
+        if layout.num_blocks <= layout.num_columns:
+            # One row of blocks (a rows op lays one row per column): no column has a block
+            # after its first, so no table is built; this costs what the nonzero blocks do.
+            ids = np.flatnonzero(mask)
+            self._table = None
+            self._mynext = np.full(layout.num_columns, INF, dtype=np.int64)
+            self._mynext[ids] = ids
+            starts = [layout.stream_columns(k).start for k in range(layout.num_streams)]
+            self._live = np.diff(np.searchsorted(ids, [*starts, layout.num_columns])).tolist()
+        else:
+            self._table = blocks.next_table(mask, layout)
+            self._mynext = self._table[0].copy()
+            # Per stream, this worker's columns with a nonzero block still to send: an
+            # instruction must name every one of them (else it skipped one of its blocks).
+            live = self._mynext != INF
+            self._live = [int(np.count_nonzero(live[layout.stream_columns(k)])) for k in range(layout.num_streams)]
         # Per stream, the last instruction: its finite pointers, as they came.
         self._cur: list[np.ndarray | None] = [None] * layout.num_streams
-        # Per stream, this worker's columns with a nonzero block still to send: an
-        # instruction must name every one of them (else it skipped one of its blocks).
-        live = self._mynext != INF
-        self._live = [int(np.count_nonzero(live[layout.stream_columns(k)])) for k in range(layout.num_streams)]
         self._rounds = [0] * layout.num_streams
         self._left = layout.num_streams
         self.stats = OpStats(
@@ -302,7 +313,10 @@ class WorkerOp:
             return None
         ids = cur[sel]
         abs_cols = cur_cols[sel]
-        after = self._table[ids // self.layout.num_columns + 1, abs_cols]
+        if self._table is None:
+            after = np.full(len(ids), INF, dtype=np.int64)
+        else:
+            after = self._table[ids // self.layout.num_columns + 1, abs_cols]
         self._mynext[abs_cols] = after
         self._live[s] -= int(np.count_nonzero(after == INF))
         # A run of consecutive blocks goes out as a view of the input, without a copy:

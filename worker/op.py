@@ -184,8 +184,12 @@ class WorkerOp:
         self.batches: list[float] | None = None
         # A device tensor's data path (worker.cuda.CudaOpData): its mask, blocks and output live there.
         self._data = data
+        # The nonzero blocks, where the data path knows them without a mask (rows ops).
+        known: np.ndarray | None = getattr(data, "block_ids", None)
+        mask: np.ndarray | None = None
         if data is not None:
-            mask = data.mask
+            if known is None:
+                mask = data.mask
             self.out = data.out
         else:
             check_destination(flat, dtype, inplace, out)
@@ -204,13 +208,15 @@ class WorkerOp:
         if layout.num_blocks <= layout.num_columns:
             # One row of blocks (a rows op lays one row per column): no column has a block
             # after its first, so no table is built; this costs what the nonzero blocks do.
-            ids = np.flatnonzero(mask)
+            ids = known if known is not None else np.flatnonzero(mask)
             self._table = None
             self._mynext = np.full(layout.num_columns, INF, dtype=np.int64)
             self._mynext[ids] = ids
             starts = [layout.stream_columns(k).start for k in range(layout.num_streams)]
             self._live = np.diff(np.searchsorted(ids, [*starts, layout.num_columns])).tolist()
         else:
+            if mask is None:
+                mask = data.mask
             self._table = blocks.next_table(mask, layout)
             self._mynext = self._table[0].copy()
             # Per stream, this worker's columns with a nonzero block still to send: an

@@ -194,6 +194,11 @@ class RowsOpData:
         self._payloads: list[np.ndarray] = []
 
     @property
+    def block_ids(self) -> np.ndarray:
+        """The nonzero blocks, ascending: the given rows (a rows op has one row per block)."""
+        return self.x.rows
+
+    @property
     def mask(self) -> np.ndarray:
         mask = np.zeros(self.x.num_rows, dtype=np.bool_)
         mask[self.x.rows] = True

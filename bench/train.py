@@ -294,9 +294,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {model} w={w} step {e['step'] + 1}/{args.steps}", flush=True)
 
         print(f"{model}: {w} workers on {args.rate}", flush=True)
-        run_world(dict(base, model=model, iface=iface), placement, master, os.path.join(args.out, "logs"),
-                  deadline, on_event)
+        try:
+            run_world(dict(base, model=model, iface=iface), placement, master, os.path.join(args.out, "logs"),
+                      deadline, on_event)
+        except BenchError as e:
+            # The other worlds still run; the failure is reported and kept with the results.
+            print(f"bench.train: {model} with {w} workers failed: {e}", file=sys.stderr, flush=True)
+            failures.append({"model": model, "workers": w, "error": str(e)[:4000]})
+            if time.monotonic() > deadline:
+                raise
 
+    failures: list[dict[str, Any]] = []
+    extra["failures"] = failures
     try:
         if args.rate == LOOPBACK:
             for model in args.models:
@@ -315,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     plots = _plot(steps, args.out)
     print(_table(rows))
     print(f"wrote {args.out}/results.json, {args.out}/steps.csv, " + ", ".join(plots))
-    return 0
+    return 1 if failures else 0
 
 
 def _emulated(args: argparse.Namespace, world: Callable[..., None], extra: dict[str, Any]) -> None:

@@ -16,8 +16,9 @@ Systems:
 - ``omnireduce``: dense gradients through the omnireduce DDP hook (block mask per bucket).
 - ``omnireduce-sparse``: ``sparse=True`` embeddings through the hook: rows are blocks, no mask.
 - ``omnireduce-colocated``: as ``omnireduce-sparse``, every rank serving one aggregator shard.
-- ``omnireduce-auto``: dense gradients, each bucket through omnireduce or gloo, whichever the
-  cost model predicts faster.
+- ``omnireduce-auto``: ``sparse=True`` embeddings as rows through omnireduce, and each dense
+  bucket (the MLP's, the LSTM's) through omnireduce or gloo's ring, whichever the cost model
+  predicts faster: what a user of a model with both kinds of gradients would run.
 
 Rank 0 prints one JSON object per line on stdout (``step`` and ``params`` events).
 """
@@ -46,7 +47,7 @@ SYSTEMS = (
     "gloo-dense", "gloo-sparse", "omnireduce", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto",
 )
 #: The systems whose models have ``sparse=True`` embeddings (COO gradients).
-SPARSE_SYSTEMS = frozenset({"gloo-sparse", "omnireduce-sparse", "omnireduce-colocated"})
+SPARSE_SYSTEMS = frozenset({"gloo-sparse", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto"})
 #: The system the others' parameters are compared with.
 REFERENCE = "gloo-dense"
 

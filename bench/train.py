@@ -182,8 +182,11 @@ def summarise(steps: list[dict[str, Any]], params: list[dict[str, Any]], warmup:
     return rows
 
 
-def _plot(steps: list[dict[str, Any]], out: str) -> list[str]:
-    """Loss (smoothed) against cumulative wall time, one figure per world."""
+def _plot(steps: list[dict[str, Any]], out: str, warmup: int) -> list[str]:
+    """Loss (smoothed) against cumulative wall time, one figure per world.
+
+    The first ``warmup`` steps count at the system's median step time, as in the summary.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,14 +200,16 @@ def _plot(steps: list[dict[str, Any]], out: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for system, events in systems.items():
             events = sorted(events, key=lambda e: e["step"])
+            timed = [e["seconds"] for e in events[min(warmup, len(events) - 1):]]
+            med = statistics.median(timed)
             t, clock = [], 0.0
-            for e in events:
-                clock += e["seconds"]
+            for i, e in enumerate(events):
+                clock += e["seconds"] if i >= warmup else med
                 t.append(clock)
             window = max(1, min(10, len(events) // 5))
             ax.plot(t, smoothed([e["loss"] for e in events], window), label=system,
                     linestyle="--" if system.startswith("gloo") else "-")
-        ax.set_xlabel("training time (s, sum of step times)")
+        ax.set_xlabel("training time (s, sum of step times; warm-up steps at the median)")
         ax.set_ylabel("loss (trailing mean)")
         ax.set_title(f"{model}: {workers} workers, {rate}")
         ax.grid(alpha=0.3)
@@ -321,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     extra["load_average_end"] = os.getloadavg()
     rows = _write(args.out, args, steps, params, extra)
-    plots = _plot(steps, args.out)
+    plots = _plot(steps, args.out, args.warmup)
     print(_table(rows))
     print(f"wrote {args.out}/results.json, {args.out}/steps.csv, " + ", ".join(plots))
     return 1 if failures else 0

@@ -78,6 +78,19 @@ def test_failed_collectives_raise_on_every_rank(agg, tmp_path) -> None:
             assert step == 2 and what in message and "MismatchError" in message, (rank, name, message)
 
 
+def test_a_failed_coalesced_sparse_op_raises_on_every_rank(agg, tmp_path) -> None:
+    # Two sparse tables go as one rows op; rank 0's op of step 2 claims a row more: both
+    # ranks' backward raises at step 2 (each held gradient's future fails), none hangs.
+    results = run_procs("sparse_failure_case", 2, tmp_path, agg.address)
+    for rank, res in enumerate(results):
+        assert len(res["errors"]) == 1, (rank, res)
+        step, message = res["errors"][0]
+        assert step == 2 and "DDP bucket" in message and "MismatchError" in message, (rank, message)
+        assert "MismatchError" in res["recorded"]
+        # Steps 0 and 1 went through (2 sparse buckets each, one op), then the failed step's.
+        assert res["paths"]["sparse"] >= 6, res["paths"]
+
+
 def test_init_process_group_needs_no_project_import(agg, tmp_path) -> None:
     # A fresh interpreter that imports torch only: the entry point registers the backend.
     script = textwrap.dedent(f"""

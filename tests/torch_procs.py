@@ -356,6 +356,70 @@ class ShortAt:
         return getattr(self._worker, name)
 
 
+class WiderAt:
+    """Fault injector for rows ops: this rank's ``at``-th allreduce of :class:`worker.SparseRows`
+    claims one row more than the others' (a rank whose tables differ), so the aggregator
+    reports a mismatch for the whole coalesced op."""
+
+    def __init__(self, worker: Any, at: int) -> None:
+        self._worker = worker
+        self._at = at
+        self._rows_ops = 0
+
+    def allreduce_async(self, x: Any, **options: Any) -> Any:
+        from worker.rows import SparseRows
+
+        if isinstance(x, SparseRows):
+            n, self._rows_ops = self._rows_ops, self._rows_ops + 1
+            if n == self._at:
+                x = SparseRows(x.rows, x.values, x.num_rows + 1)
+        return self._worker.allreduce_async(x, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._worker, name)
+
+
+class TwoTables(nn.Module):
+    """Two sparse tables of one width: the hook sends their gradients as one rows op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.EmbeddingBag(VOCAB, DIM, mode="sum", sparse=True)
+        self.b = nn.EmbeddingBag(VOCAB // 2, DIM, mode="sum", sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, idx: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.a(idx, offsets) + self.b(idx % (VOCAB // 2), offsets)).squeeze(-1)
+
+
+def sparse_failure_case(rank: int, world: int, address: str) -> dict[str, Any]:
+    """DDP with the hook on two coalesced sparse tables; rank 0's rows op of step 2 is out of step.
+
+    Returns the errors backward raised (step, text) and the hook's paths.
+    """
+    from worker import connect
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    torch.manual_seed(0)
+    ddp = DDP(TwoTables())
+    w = connect(address, rank=rank, world_size=world, job="sparse-failure", timeout=5.0)
+    state = OmniReduceState(w)
+    ddp.register_comm_hook(state, omnireduce_hook)
+    if rank == 0:
+        state.worker = WiderAt(w, at=2)
+    errors = []
+    for step in range(4):
+        try:
+            _sparse_loss(ddp, rank, step).backward()
+        except RuntimeError as e:
+            errors.append((step, str(e)))
+            break
+    out = {"errors": errors, "paths": dict(state.paths), "recorded": repr(state.error)}
+    dist.barrier()
+    w.close()
+    return out
+
+
 def _sparse_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     idx, off, y = batch(rank, step)
     return nn.functional.binary_cross_entropy_with_logits(model(idx, off), y)

@@ -312,7 +312,39 @@ def write_outputs(rows: list[dict[str, Any]], out_dir: str, meta: dict[str, Any]
         ppath = os.path.join(out_dir, "results.png")
         _plot(rows, ppath, meta.get("title", "allreduce"))
         paths.append(ppath)
+        if len({r["workers"] for r in rows}) > 1:
+            wpath = os.path.join(out_dir, "results-workers.png")
+            _plot_workers(rows, wpath, meta.get("title", "allreduce"))
+            paths.append(wpath)
     return paths
+
+
+def _plot_workers(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """Median time against the number of workers, every system on one axis per size and density."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["elements"], r["density"]) for r in rows})
+    fig, axes = plt.subplots(len(cases), 1, figsize=(6.5, 3.6 * len(cases)), squeeze=False)
+    for (n, d), (ax,) in zip(cases, axes, strict=True):
+        for s in SYSTEMS:
+            pts = sorted((r["workers"], r["median_s"]) for r in rows
+                         if r["system"] == s and r["elements"] == n and r["density"] == d)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=s)
+        ax.set_xticks(sorted({r["workers"] for r in rows}))
+        ax.set_xlabel("workers")
+        ax.set_ylabel("median time (ms)")
+        ax.set_yscale("log")
+        ax.set_title(f"{n * 4 / 2**20:.1f} MB, density {d:g}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:

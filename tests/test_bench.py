@@ -89,6 +89,13 @@ def test_table_and_outputs(tmp_path) -> None:
     paths = write_outputs(rows, str(tmp_path), {"title": "t"})
     assert [os.path.basename(p) for p in paths] == ["results.json", "results.csv", "results.png"]
     assert json.loads((tmp_path / "results.json").read_text())["rows"][2]["speedup_vs_gloo"] == pytest.approx(4.0)
+    # Several world sizes: a second figure, time against workers.
+    rows += [row_from_event({"type": "result", "workers": 4, "elements": 1 << 20, "density": 0.01,
+                             "system": system, "times": [t], "ok": True})
+             for system, t in (("gloo", 0.12), ("omnireduce", 0.02))]
+    paths = write_outputs(rows, str(tmp_path / "w"), {"title": "t"})
+    assert [os.path.basename(p) for p in paths][-1] == "results-workers.png"
+    assert os.path.getsize(paths[-1]) > 1000
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ the last entry.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +49,8 @@ _PROBE_STRIDE = 64
 # Mask entries per prefix-sum chunk: enough work per prange iteration to beat
 # the scheduling cost, few enough chunks for the sequential scan between passes.
 _SCAN_CHUNK = 1 << 14
+# Runs of blocks a threaded mask pass is cut into: 8 per thread at config.MAX_MASK_THREADS.
+_MASK_RUNS = 64
 
 if HAVE_NUMBA:
 
@@ -119,10 +121,12 @@ if HAVE_NUMBA:
         _mask_words_range(rows, sign_mask, first, out, 0, out.shape[0])
 
     @njit(parallel=True, cache=True, nogil=True)
-    def _mask_words_parallel(rows, sign_mask, first, out, chunk):  # type: ignore[no-untyped-def]
-        # Contiguous runs of ``chunk`` blocks per iteration: each thread streams its
-        # own stretch of memory, which is what keeps the serial kernel at bandwidth.
+    def _mask_words_parallel(rows, sign_mask, first, out):  # type: ignore[no-untyped-def]
+        # Contiguous runs of blocks per iteration: each thread streams its own stretch of
+        # memory, which is what keeps the serial kernel at bandwidth; several runs per
+        # thread (up to MAX_MASK_THREADS), so a thread the OS delays holds up less of the pass.
         nb = out.shape[0]
+        chunk = max(1, (nb + _MASK_RUNS - 1) // _MASK_RUNS)
         for c in prange((nb + chunk - 1) // chunk):
             _mask_words_range(rows, sign_mask, first, out, c * chunk, min(nb, (c + 1) * chunk))
 
@@ -293,13 +297,16 @@ def _threads(parallel: bool | int) -> int:
     return max(1, min(int(parallel), numba_config.NUMBA_NUM_THREADS))
 
 
-@contextmanager
-def _pool(threads: int) -> Iterator[None]:
+def _run(threads: int, parallel_kernel: Callable[..., None], serial_kernel: Callable[..., None], *args: Any) -> None:
+    """One pass: the parallel kernel on ``threads`` of numba's threads, or the serial one in this thread."""
+    if threads <= 1:
+        serial_kernel(*args)
+        return
     # numba's thread count is per calling thread: set it for this pass, then put it back.
     before = get_num_threads()
     set_num_threads(threads)
     try:
-        yield
+        parallel_kernel(*args)
     finally:
         set_num_threads(before)
 
@@ -336,6 +343,7 @@ def block_mask_cpu(
     bits = _flat_bits(flat, "flat")
     thr = threshold_bits(threshold, info)
     out = np.empty(-(-flat.shape[0] // block_size), dtype=np.bool_)
+    threads = _threads(parallel)
     if thr == 0:
         block_bytes = block_size * bits.itemsize
         nfull = flat.shape[0] // block_size
@@ -349,36 +357,19 @@ def block_mask_cpu(
             # (a dense gradient), stopping at the first word wins 8x; elsewhere the early
             # exits cost more than they save (10% dense: 9.0 ms against 7.7 streamed).
             probe = words[: nfull * wpb : wpb * _PROBE_STRIDE] & sign64
-            rows = words.reshape(nfull, wpb)
             dense = np.count_nonzero(probe) > PROBE_DENSE * len(probe)
-            threads = _threads(parallel)
-            if threads > 1:
-                # A few runs per thread, so a thread the OS delays holds up less of the pass.
-                chunk = -(-nfull // (4 * threads))
-                with _pool(threads):
-                    _mask_words_parallel(rows, sign64, dense, out[:nfull], np.int64(chunk))
-            else:
-                _mask_words(rows, sign64, dense, out[:nfull])
+            _run(threads, _mask_words_parallel, _mask_words, words.reshape(nfull, wpb), sign64, dense, out[:nfull])
             if nfull < out.shape[0]:
                 _mask_bits_serial(bits[nfull * block_size :], np.int64(block_size), info.uint.type(info.sign_mask),
                                   out[nfull:])
         else:
-            threads = _threads(parallel)
-            if threads > 1:
-                with _pool(threads):
-                    _mask_bits(bits, np.int64(block_size), info.uint.type(info.sign_mask), out)
-            else:
-                _mask_bits_serial(bits, np.int64(block_size), info.uint.type(info.sign_mask), out)
+            _run(threads, _mask_bits, _mask_bits_serial, bits, np.int64(block_size), info.uint.type(info.sign_mask),
+                 out)
     else:
         if not flat.flags.writeable:
             raise ConfigError("a positive threshold zeroes skipped blocks in place: flat must be writeable")
-        args = (bits, np.int64(block_size), info.uint.type(info.sign_mask), info.uint.type(thr), out)
-        threads = _threads(parallel)
-        if threads > 1:
-            with _pool(threads):
-                _mask_threshold(*args)
-        else:
-            _mask_threshold_serial(*args)
+        _run(threads, _mask_threshold, _mask_threshold_serial, bits, np.int64(block_size),
+             info.uint.type(info.sign_mask), info.uint.type(thr), out)
     return out
 
 

@@ -111,8 +111,9 @@ class _Op:
     started: float
     peers: list[bytes | None]
     # Each rank's START pointers (its first nonzero block per column, the finite ones in
-    # column order) until every rank has joined and the streams' tables are built.
-    starts: list[np.ndarray | None]
+    # column order) and their columns, until every rank has joined and the streams'
+    # tables are built.
+    starts: list[tuple[np.ndarray, np.ndarray] | None]
     streams: list[_Stream]
     streams_left: int
     generation: int = 0
@@ -518,7 +519,7 @@ class Engine:
         lay = op.layout
         try:
             first = index_array(body[0])
-            pointer_columns(first, 0, lay.num_columns, lay.num_columns, lay.num_blocks)
+            cols = pointer_columns(first, 0, lay.num_columns, lay.num_columns, lay.num_blocks)
         except ProtocolError as e:
             raise Refused.op_failure(
                 ErrorCode.PROTOCOL, f"rank {msg.rank} sent block pointers outside its columns: {e}", [msg.rank]
@@ -532,7 +533,7 @@ class Engine:
         if grow > 0:
             self._hold(op, None, grow * 9 * op.world_size)
             op.reserved_columns = len(first)
-        op.starts[msg.rank] = first
+        op.starts[msg.rank] = (first, cols)
         op.peers[msg.rank] = peer
         if msg.weight is not None:
             if op.weights is None:
@@ -557,8 +558,7 @@ class Engine:
         lay = op.layout
         starts = [p for p in op.starts if p is not None]
         op.starts = [None] * op.world_size
-        cols = [p % lay.num_columns if len(p) else p for p in starts]
-        union = _union_sorted(cols)
+        union = _union_sorted([c for _, c in starts])
         if len(union) > op.reserved_columns:
             self._hold(op, None, (len(union) - op.reserved_columns) * 9 * op.world_size)
             op.reserved_columns = len(union)
@@ -566,7 +566,7 @@ class Engine:
             lo, hi = np.searchsorted(union, [s.span.start, s.span.stop])
             s.cols = union[lo:hi]
             s.nextp = np.full((op.world_size, len(s.cols)), INF, dtype=np.int64)
-        for rank, (ptrs, c) in enumerate(zip(starts, cols, strict=True)):
+        for rank, (ptrs, c) in enumerate(starts):
             if not len(ptrs):
                 continue
             # Pointers come in column order, and every stream is a contiguous run of columns.

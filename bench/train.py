@@ -121,6 +121,38 @@ def smoothed(values: list[float], window: int) -> list[float]:
     return out
 
 
+World = dict[str, list[dict[str, Any]]]
+
+
+def _worlds(steps: list[dict[str, Any]]) -> dict[tuple[str, str, int], World]:
+    """Step events by world (model, rate, workers) and system, each system's in step order."""
+    worlds: dict[tuple[str, str, int], World] = {}
+    for e in steps:
+        worlds.setdefault((e["model"], e["rate"], e["workers"]), {}).setdefault(e["system"], []).append(e)
+    for systems in worlds.values():
+        for events in systems.values():
+            events.sort(key=lambda e: e["step"])
+    return worlds
+
+
+def _window(n: int) -> int:
+    """The trailing-mean window of a curve of ``n`` steps."""
+    return max(1, min(10, n // 5))
+
+
+def _clock(events: list[dict[str, Any]], warmup: int) -> tuple[float, list[float]]:
+    """The median step time after ``warmup`` steps, and the training time at the end of each step.
+
+    Warm-up steps (imports, JIT compiles, first connections) count at the median.
+    """
+    med = statistics.median(e["seconds"] for e in events[min(warmup, len(events) - 1):])
+    clock, t = 0.0, []
+    for i, e in enumerate(events):
+        clock += e["seconds"] if i >= warmup else med
+        t.append(clock)
+    return med, t
+
+
 def summarise(steps: list[dict[str, Any]], params: list[dict[str, Any]], warmup: int = 2,
               target_at: float = 0.8) -> list[dict[str, Any]]:
     """One row per (model, rate, workers, system): step time, throughput, bytes, loss and speedups.
@@ -136,27 +168,19 @@ def summarise(steps: list[dict[str, Any]], params: list[dict[str, Any]], warmup:
         warmup: first steps left out of the step-time statistics.
         target_at: where on the reference's curve the target loss lies (0-1).
     """
-    worlds: dict[tuple[str, str, int], dict[str, list[dict[str, Any]]]] = {}
-    for e in steps:
-        worlds.setdefault((e["model"], e["rate"], e["workers"]), {}).setdefault(e["system"], []).append(e)
     gaps = {(p["model"], p["rate"], p["workers"], p["system"]): p for p in params}
     rows: list[dict[str, Any]] = []
-    for (model, rate, workers), systems in worlds.items():
+    for (model, rate, workers), systems in _worlds(steps).items():
         n = min(len(v) for v in systems.values())
-        window = max(1, min(10, n // 5))
-        curves = {s: smoothed([e["loss"] for e in sorted(v, key=lambda e: e["step"])][:n], window)
-                  for s, v in systems.items()}
+        window = _window(n)
+        systems = {s: v[:n] for s, v in systems.items()}
+        curves = {s: smoothed([e["loss"] for e in v], window) for s, v in systems.items()}
+        clocks = {s: _clock(v, warmup) for s, v in systems.items()}
         ref = REFERENCE if REFERENCE in systems else next(iter(systems))
         target = curves[ref][min(n - 1, int(target_at * (n - 1)))]
-        medians = {}
         for system, events in systems.items():
-            events = sorted(events, key=lambda e: e["step"])[:n]
             timed = events[min(warmup, n - 1):]
-            medians[system] = statistics.median(e["seconds"] for e in timed)
-        for system, events in systems.items():
-            events = sorted(events, key=lambda e: e["step"])[:n]
-            timed = events[min(warmup, n - 1):]
-            med = medians[system]
+            med, clock = clocks[system]
             reached = next((i for i, v in enumerate(curves[system]) if v <= target), None)
             link = [e["bytes_sent"] + e["bytes_received"] for e in timed if e.get("bytes_sent") is not None]
             gap = gaps.get((model, rate, workers, system), {})
@@ -168,14 +192,12 @@ def summarise(steps: list[dict[str, Any]], params: list[dict[str, Any]], warmup:
                 "final_loss": curves[system][-1], "final_metric": statistics.fmean(
                     e["metric"] for e in events[-window:]),
                 "target_loss": target, "steps_to_target": None if reached is None else reached + 1,
-                # Warm-up steps (imports, JIT compiles, first connections) count at the median.
-                "seconds_to_target": None if reached is None else sum(
-                    e["seconds"] if i >= warmup else med for i, e in enumerate(events[: reached + 1])),
+                "seconds_to_target": None if reached is None else clock[reached],
                 "max_abs_param_diff": gap.get("max_abs_diff"), "max_abs_param": gap.get("max_abs_param"),
             }
             for rival in ("gloo-dense", "gloo-sparse"):
-                if rival in medians and med > 0:
-                    row[f"x_{rival}"] = medians[rival] / med
+                if rival in clocks and med > 0:
+                    row[f"x_{rival}"] = clocks[rival][0] / med
             if events[-1].get("paths"):
                 row["paths"] = events[-1]["paths"]
             rows.append(row)
@@ -183,31 +205,18 @@ def summarise(steps: list[dict[str, Any]], params: list[dict[str, Any]], warmup:
 
 
 def _plot(steps: list[dict[str, Any]], out: str, warmup: int) -> list[str]:
-    """Loss (smoothed) against cumulative wall time, one figure per world.
-
-    The first ``warmup`` steps count at the system's median step time, as in the summary.
-    """
+    """Loss (smoothed) against training time, one figure per world; warm-up steps at the median, as in the summary."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    worlds: dict[tuple[str, str, int], dict[str, list[dict[str, Any]]]] = {}
-    for e in steps:
-        worlds.setdefault((e["model"], e["rate"], e["workers"]), {}).setdefault(e["system"], []).append(e)
-    for (model, rate, workers), systems in worlds.items():
+    for (model, rate, workers), systems in _worlds(steps).items():
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for system, events in systems.items():
-            events = sorted(events, key=lambda e: e["step"])
-            timed = [e["seconds"] for e in events[min(warmup, len(events) - 1):]]
-            med = statistics.median(timed)
-            t, clock = [], 0.0
-            for i, e in enumerate(events):
-                clock += e["seconds"] if i >= warmup else med
-                t.append(clock)
-            window = max(1, min(10, len(events) // 5))
-            ax.plot(t, smoothed([e["loss"] for e in events], window), label=system,
+            _, t = _clock(events, warmup)
+            ax.plot(t, smoothed([e["loss"] for e in events], _window(len(events))), label=system,
                     linestyle="--" if system.startswith("gloo") else "-")
         ax.set_xlabel("training time (s, sum of step times; warm-up steps at the median)")
         ax.set_ylabel("loss (trailing mean)")

@@ -30,7 +30,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,7 +86,6 @@ class Replica:
     metric: float = 0.0
     received: int | None = None
     sent: int | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
 
     def close(self) -> None:
         if self.worker is not None:

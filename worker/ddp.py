@@ -12,6 +12,7 @@ flight. The sums are written back into ``bucket.buffer()`` in place.
 
 # No "from __future__ import annotations": DDP compares the hook's annotations
 # with the real dist.GradBucket and Future[Tensor] objects.
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -281,9 +282,7 @@ def _send_held(state: OmniReduceState) -> None:
 
 def _send_group(state: OmniReduceState, items: list[tuple[int, torch.Tensor, ConcurrentFuture]]) -> None:
     parts = [SparseRows.from_torch(grad) for _, grad, _ in items]
-    offsets = [0]
-    for grad in (g for _, g, _ in items):
-        offsets.append(offsets[-1] + grad.shape[0])
+    offsets = [0, *itertools.accumulate(grad.shape[0] for _, grad, _ in items)]
     joined = SparseRows.join(parts, offsets[:-1], offsets[-1], None)
     source = state.worker.allreduce_async(joined, weight=state.samples)
 

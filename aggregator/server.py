@@ -228,10 +228,14 @@ class Aggregator:
     def _send_all(self, out: list[Outgoing]) -> None:
         gone: list[bytes] = []
         for peer, frames in out:
+            # Counted before the send: once a worker holds the message, the metric (read from
+            # another thread) includes it; a failed send takes it back.
+            nbytes = transport.frames_nbytes(frames)
+            self.counters.bytes_out += nbytes
             try:
                 self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
-                self.counters.bytes_out += transport.frames_nbytes(frames)
             except zmq.ZMQError as e:
+                self.counters.bytes_out -= nbytes
                 self.counters.send_failures += 1
                 if e.errno == zmq.EHOSTUNREACH:
                     # The routing id is gone: so is its connection.

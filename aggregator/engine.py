@@ -70,7 +70,7 @@ def _params(msg: Start) -> tuple[Any, ...]:
     """What every worker of an op must agree on."""
     return (
         msg.world_size, msg.length, msg.dtype, msg.block_size, msg.message_blocks, msg.streams,
-        msg.weight is not None,
+        msg.weight is not None, bool(msg.eager),
     )
 
 
@@ -90,7 +90,8 @@ class _Stream:
     # match[w, j]: worker w must send the block instructed in active column j this round.
     match: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=bool))
     expected: set[int] = field(default_factory=set)
-    received: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # Per rank that sent this round: the positions (in ``cur``) of its blocks, and their payload.
+    received: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     done: bool = False
     # Bytes of the received frames kept until the round completes.
     held: int = 0
@@ -125,6 +126,8 @@ class _Op:
     compute: np.ndarray | None = None
     # Columns whose table cells (world x 9 bytes each) are held against the caps.
     reserved_columns: int = 0
+    # An eager op: each rank's payload of the blocks at its START pointers, until all have joined.
+    payloads: list[np.ndarray | None] | None = None
 
 
 def _union_sorted(runs: list[np.ndarray]) -> np.ndarray:
@@ -472,13 +475,20 @@ class Engine:
                                      f"the limit of {lim.max_message_bytes}; use smaller blocks or fewer blocks per "
                                      "message")
         # Checked before anything is allocated for the op.
-        if len(body) != 1 or buffer_of(body[0]).nbytes > 8 * layout.num_columns:
+        if len(body) != 1 + bool(msg.eager) or buffer_of(body[0]).nbytes > 8 * layout.num_columns:
+            blocks_too = " and their blocks" if msg.eager else ""
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry at most "
-                                     f"{layout.num_columns} column pointers")
+                                     f"{layout.num_columns} column pointers{blocks_too}")
+        if msg.eager and layout.num_blocks > layout.num_columns:
+            # Only where a column holds one block is a rank's first block per column all it sends.
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager START for a layout of "
+                                     f"{layout.num_blocks} blocks in {layout.num_columns} columns (more than one row)",
+                                     [msg.rank])
         op = _Op(
             job=msg.job, op=msg.op, world_size=msg.world_size, layout=layout, dtype=dtype,
             params=_params(msg), started=self._clock(), peers=[None] * msg.world_size,
             starts=[None] * msg.world_size, streams=[], streams_left=layout.num_streams, generation=j.generation,
+            payloads=[None] * msg.world_size if msg.eager else None,
         )
         self._hold(op, None, layout.num_streams * _STREAM_OVERHEAD + _OP_OVERHEAD)
         j.ops.add(msg.op)
@@ -494,7 +504,7 @@ class Engine:
         if op is None:
             op = self._new_op(j, msg, body)
         elif params != op.params:
-            names = ("world_size", "length", "dtype", "block_size", "message_blocks", "streams", "weighted")
+            names = ("world_size", "length", "dtype", "block_size", "message_blocks", "streams", "weighted", "eager")
             joined = [r for r, p in enumerate(op.peers) if p is not None]
             # Lower ranks' values first, so the text does not depend on who arrived first.
             groups = [joined, [msg.rank]]
@@ -512,9 +522,9 @@ class Engine:
             )
         if op.peers[msg.rank] is not None:
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} joined the op twice", [msg.rank])
-        if len(body) != 1:
+        if len(body) != 1 + bool(msg.eager):
             raise Refused.op_failure(
-                ErrorCode.PROTOCOL, f"START from rank {msg.rank} has {len(body)} frames, expected 1"
+                ErrorCode.PROTOCOL, f"START from rank {msg.rank} has {len(body)} frames, expected {1 + bool(msg.eager)}"
             )
         lay = op.layout
         try:
@@ -533,6 +543,16 @@ class Engine:
         if grow > 0:
             self._hold(op, None, grow * 9 * op.world_size)
             op.reserved_columns = len(first)
+        if op.payloads is not None:
+            buf = buffer_of(body[1])
+            want = lay.payload_elements(first) * op.dtype.itemsize
+            if buf.nbytes != want:
+                raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager payload of {buf.nbytes} "
+                                         f"bytes, expected {want}", [msg.rank])
+            # Held by its frame until the op completes.
+            self._hold(op, None, buf.nbytes)
+            op.payloads[msg.rank] = np.frombuffer(buf, dtype=op.dtype.storage)
+            self.counters.blocks_in += len(first)
         op.starts[msg.rank] = (first, cols)
         op.peers[msg.rank] = peer
         if msg.weight is not None:
@@ -545,8 +565,10 @@ class Engine:
             op.compute[msg.rank] = msg.compute
         if any(p is None for p in op.peers):
             return []
-        self._build_tables(op)
         batches = self._balance(j, op)
+        if op.payloads is not None:
+            return self._finish_eager(op, batches)
+        self._build_tables(op)
         out: list[Outgoing] = []
         for s in op.streams:
             out += self._advance(op, s, np.empty(0, dtype=op.dtype.storage), batches if s.index == 0 else None)
@@ -575,6 +597,45 @@ class Engine:
                 a, b = bounds[k], bounds[k + 1]
                 if a < b:
                     s.nextp[rank, np.searchsorted(s.cols, c[a:b])] = ptrs[a:b]
+
+    def _finish_eager(self, op: _Op, batches: list[float] | None) -> list[Outgoing]:
+        """Sums an eager op's blocks, which came with the STARTs, and ends every stream with one RESULT.
+
+        In a one-row layout block ``c`` is column ``c``'s only block: round 0's
+        instruction is the union of the ranks' pointers, and a rank's payload holds
+        exactly its blocks of that instruction, in column order.
+        """
+        assert op.payloads is not None
+        lay = op.layout
+        # Every rank's, in rank order: all have joined.
+        starts = [p for p in op.starts if p is not None]
+        payloads = [p for p in op.payloads if p is not None]
+        op.starts, op.payloads = [None] * op.world_size, None
+        union = _union_sorted([c for _, c in starts])
+        spans = [s.span.start for s in op.streams] + [lay.num_columns]
+        bounds = [np.searchsorted(c, spans) for _, c in starts]
+        out: list[Outgoing] = []
+        lo = np.searchsorted(union, spans)
+        for k, s in enumerate(op.streams):
+            s.cur = union[lo[k] : lo[k + 1]]
+            for rank, (start, _) in enumerate(starts):
+                a, b = bounds[rank][k], bounds[rank][k + 1]
+                if a < b:
+                    # Only the tensor's short last block, in the last column, is stored short.
+                    payload = payloads[rank][a * lay.block_size : a * lay.block_size
+                                             + lay.payload_elements(start[a:b])]
+                    s.received[rank] = (np.searchsorted(s.cur, start[a:b]), payload)
+            summed = self._sum_round(op, s)
+            s.received = {}
+            s.round = 1
+            s.done = True
+            self.counters.rounds += 1
+            self.counters.blocks_out += len(s.cur) * op.world_size
+            frames = encode(Result(op.job, op.op, s.index, 0, batches if k == 0 else None), s.cur, summed)
+            out += [(p, frames) for p in op.peers if p is not None]
+        op.streams_left = 0
+        self._retire(op)
+        return out
 
     def _check_pointers(
         self, op: _Op, ptrs: np.ndarray, cols: np.ndarray, after: np.ndarray, rank: int
@@ -676,7 +737,9 @@ class Engine:
             )
         # The frames stay referenced until the round completes (_advance): count them against the caps.
         self._hold(op, s, buf.nbytes + ptrs.nbytes)
-        s.received[msg.rank] = (sel, ptrs, np.frombuffer(buf, dtype=op.dtype.storage))
+        # Read only once the round completes (_advance), after every rank's blocks are in.
+        s.nextp[msg.rank, sel] = ptrs
+        s.received[msg.rank] = (sel, np.frombuffer(buf, dtype=op.dtype.storage))
         self.counters.blocks_in += len(sel)
         if len(s.received) < len(s.expected):
             return []
@@ -687,6 +750,12 @@ class Engine:
         return out
 
     def _complete_round(self, op: _Op, s: _Stream) -> list[Outgoing]:
+        out = self._sum_round(op, s)
+        s.round += 1
+        return self._advance(op, s, out)
+
+    def _sum_round(self, op: _Op, s: _Stream) -> np.ndarray:
+        """The payload of the sums of the blocks ``s.cur`` from the ranks' ``s.received``."""
         layout = op.layout
         b = layout.block_size
         ids = s.cur
@@ -703,8 +772,7 @@ class Engine:
         first: np.ndarray | None = None
         # A fixed rank order makes the sums identical from run to run and on every worker.
         for rank in sorted(s.received):
-            sel, ptrs, payload = s.received[rank]
-            s.nextp[rank, sel] = ptrs
+            sel, payload = s.received[rank]
             # A weighted op sums weight * blocks (a weight of 1 is skipped: plain sums stay bit-identical).
             w = 1.0 if op.weights is None else float(op.weights[rank])
             if aligned and len(sel) == k:
@@ -734,10 +802,8 @@ class Engine:
             acc = np.divide(acc, acc_type.type(op.weights.sum()), dtype=acc_type)
         summed = from_accumulator(acc, op.dtype)
         if aligned:
-            out = summed.reshape(-1)
-        else:
-            out = np.empty(n_out, dtype=op.dtype.storage)
-            for sl, view in blocks.split_payload(out, ids, layout):
-                view[:] = summed[sl, : view.shape[1]]
-        s.round += 1
-        return self._advance(op, s, out)
+            return summed.reshape(-1)
+        out = np.empty(n_out, dtype=op.dtype.storage)
+        for sl, view in blocks.split_payload(out, ids, layout):
+            view[:] = summed[sl, : view.shape[1]]
+        return out

@@ -302,8 +302,12 @@ def sparse_estimate(
     nstreams = max(1, -(-cols // message_blocks)) if cols else 1
     per_stream = max(1, cols // nstreams) if cols else 0
     shards = max(1, min(shards, nstreams))
-    crit = expected_max_rounds(nb, cols, u) + 1.0  # + round 0 (START and the first instruction)
-    per_stream_rounds = expected_max_rounds(nb, cols, u, per_stream) + 1.0
+    if nb <= cols:
+        # One row of blocks: an eager op, whose START carries the blocks (one round trip).
+        crit = per_stream_rounds = 1.0
+    else:
+        crit = expected_max_rounds(nb, cols, u) + 1.0  # + round 0 (START and the first instruction)
+        per_stream_rounds = expected_max_rounds(nb, cols, u, per_stream) + 1.0
     stream_rounds = nstreams * per_stream_rounds
     block_bytes = block_size * element_size
     # Worker -> aggregator: own blocks, each with the pointer to its next; START: the first

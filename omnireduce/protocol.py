@@ -20,6 +20,17 @@ number) and stream::
       ...                                     until every column's instruction is INF
               <-  ERROR   (whenever an op or job fails; names job, op, ranks)
 
+An op whose layout has one row of blocks (``num_blocks <= num_columns``: every rows
+op, and any tensor of at most a stream's worth of blocks) may be *eager*: every
+column then holds at most one block, so round 0's instruction is exactly each
+worker's own pointers and round 1 would move all of its blocks. An eager START
+carries those blocks, and the aggregator answers with a single RESULT of round 0
+that holds the instruction (the union of the workers' blocks), their sums, and
+ends the stream: one round trip instead of two::
+
+      START   (pointers + the blocks at them, eager)  ->
+              <-  RESULT(round 0: the union as instruction, its sums; stream done)
+
 Block indices and payloads use the host byte order; all supported hosts are
 little-endian.
 """
@@ -69,7 +80,8 @@ assert sys.byteorder == "little", "omnireduce's wire format assumes a little-end
 #: 2: HELLO, job tokens and generations, more error codes.
 #: 3: weighted ops and compute-time reports in START, batch recommendations in RESULT;
 #: START and RESULT carry only the finite column pointers.
-PROTOCOL_VERSION = 3
+#: 4: eager STARTs of one-row layouts (blocks with the pointers; one round trip).
+PROTOCOL_VERSION = 4
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
 MAX_HEADER_BYTES = 4096
@@ -136,8 +148,13 @@ class Start:
     all workers of an op must agree) and ``compute`` (seconds the worker computed
     since its previous op, for batch balancing; None if not measured) are optional.
 
+    ``eager`` True (all workers of an op must agree; only for a layout of one row of
+    blocks) says the START also carries the blocks at its pointers: the op's only
+    data round, answered by one RESULT (see the module's docstring). None (unset,
+    as every optional field) or False: it does not.
+
     Frames: the first nonzero block of every column that has one (int64, in column
-    order; see :func:`compact_pointers`).
+    order; see :func:`compact_pointers`); if eager, then the payload of those blocks.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.START
@@ -152,6 +169,7 @@ class Start:
     streams: int
     weight: float | None = None
     compute: float | None = None
+    eager: bool | None = None
 
 
 @dataclass(slots=True)
@@ -177,7 +195,8 @@ class Result:
     Frames: the next instruction, the block to send of every column of the stream
     that is not finished (int64, in column order; see :func:`compact_pointers`),
     then the summed payload of the columns instructed in the previous round (empty
-    after round 0).
+    after round 0). The round-0 RESULT of an eager op is the exception: its payload
+    is the sums of the blocks its instruction names, and it ends the stream.
 
     ``batches``, in round 0 of stream 0 only, is the aggregator's recommended
     batch size per rank (floats summing to the op's total weight), from the ranks'
@@ -389,7 +408,7 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
         raise ProtocolError(f"{cls.__name__} header: missing fields {missing}, unexpected fields {_short(extra)}")
     _check_str("job", header["job"], MAX_NAME, empty=False)
     for name in names:
-        if name in ("job", "message", "ranks", "token", "weight", "compute", "batches"):
+        if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager"):
             continue
         _check_int(name, header[name], optional=(cls is Error and name == "op"))
     if cls is Hello:
@@ -405,6 +424,8 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
                 raise ProtocolError(f"header field {name!r} must be positive")
         _check_real("weight", header["weight"], positive=True)
         _check_real("compute", header["compute"], positive=False)
+        if header["eager"] is not None and type(header["eager"]) is not bool:
+            raise ProtocolError(f"START header has a non-boolean eager {_short(header['eager'])}")
     if cls is Result and header["batches"] is not None:
         b = header["batches"]
         if not isinstance(b, list) or not all(_is_real(v) and v >= 0 for v in b):

@@ -133,8 +133,9 @@ def test_blocks_for_unknown_op_and_out_of_turn() -> None:
     engine = Engine()
     (_, reply), = engine.handle(b"p", wire(encode(Blocks("j", 0, 9, 0, 0), np.zeros(0, np.int64), b"")))
     assert decode(wire(reply))[0].code == ErrorCode.UNKNOWN_OP
-    engine.handle(peer_of(0), _start(0, 2, 8))
-    engine.handle(peer_of(1), _start(1, 2, 8))
+    # 8 blocks in 4 columns: two rows, so the op is not eager and has rounds to break.
+    engine.handle(peer_of(0), _start(0, 2, 32))
+    engine.handle(peer_of(1), _start(1, 2, 32))
     # Round 1 before round 0 completed is a protocol violation that fails the op on both workers.
     errs = errors_by_peer(engine.handle(peer_of(0), wire(encode(Blocks("j", 0, 0, 0, 1), np.zeros(0, np.int64), b""))))
     assert set(errs) == {peer_of(0), peer_of(1)} and all(e.code == ErrorCode.PROTOCOL for e in errs.values())

@@ -205,15 +205,20 @@ class WorkerOp:
                 written = pages_written(own, world_size, layout.block_size * dtype.itemsize)
                 self.out = lazy_zeros(layout.length, dtype.storage, written)
         self._table: np.ndarray | None
-        if layout.num_blocks <= layout.num_columns:
-            # One row of blocks (a rows op lays one row per column): no column has a block
-            # after its first, so no table is built; this costs what the nonzero blocks do.
+        #: One row of blocks (a rows op lays one row per column): no column has a block
+        #: after its first, so the START carries the blocks too and the op takes one round
+        #: trip (an eager op; see omnireduce.protocol).
+        self.eager = layout.num_blocks <= layout.num_columns
+        self._ids: np.ndarray | None = None
+        if self.eager:
+            # No table is built; this costs what the nonzero blocks do.
             ids = known if known is not None else np.flatnonzero(mask)
+            self._ids = ids
             self._table = None
-            self._mynext = np.full(layout.num_columns, INF, dtype=np.int64)
-            self._mynext[ids] = ids
+            # Block c is column c's only block: per stream, this worker's blocks are a run of ids.
             starts = [layout.stream_columns(k).start for k in range(layout.num_streams)]
-            self._live = np.diff(np.searchsorted(ids, [*starts, layout.num_columns])).tolist()
+            self._bounds = np.searchsorted(ids, [*starts, layout.num_columns])
+            self._live = np.diff(self._bounds).tolist()
         else:
             if mask is None:
                 mask = data.mask
@@ -246,17 +251,27 @@ class WorkerOp:
         return self._left == 0
 
     def start(self) -> list[Any]:
-        """The START message (round 0): every column's first nonzero block."""
-        frames = encode(
-            Start(
-                self.job, self.rank, self.world_size, self.op, self.layout.length, int(self.dtype),
-                self.layout.block_size, self.layout.message_blocks, self.layout.streams,
-                self.weight, self.compute,
-            ),
-            compact_pointers(self._mynext),
+        """The START message (round 0): every column's first nonzero block, and, eager, the blocks."""
+        header = Start(
+            self.job, self.rank, self.world_size, self.op, self.layout.length, int(self.dtype),
+            self.layout.block_size, self.layout.message_blocks, self.layout.streams,
+            self.weight, self.compute, self.eager or None,
         )
-        self._count_sent(frames, 0)
+        if self._ids is None:
+            frames = encode(header, compact_pointers(self._mynext))
+            self._count_sent(frames, 0)
+            return frames
+        # In a one-row layout a block is its column's pointer: the pointers are the block ids.
+        frames = encode(header, self._ids, self._payload(self._ids))
+        self._count_sent(frames, len(self._ids))
         return frames
+
+    def _payload(self, ids: np.ndarray) -> np.ndarray:
+        # A run of consecutive blocks goes out as a view of the input, without a copy:
+        # the input is not modified before the op completes (the caller's contract).
+        if self._data is not None:
+            return self._data.gather(ids, self.layout)
+        return blocks.gather(self.flat, ids, self.layout, copy=False)
 
     def _count_sent(self, frames: list[Any], nblocks: int) -> None:
         self.stats.bytes_sent += frames_nbytes(frames)
@@ -270,7 +285,7 @@ class WorkerOp:
             ProtocolError: the result does not fit the op's state.
         """
         s = msg.stream
-        if s >= self.layout.num_streams or self._cur[s] is None and msg.round != 0:
+        if s >= self.layout.num_streams or (self._cur[s] is None or self.eager) and msg.round != 0:
             raise ProtocolError(f"result for stream {msg.stream} round {msg.round} out of order")
         if msg.round != self._rounds[s] or len(data) != 2:
             raise ProtocolError(
@@ -282,7 +297,28 @@ class WorkerOp:
             self.batches = msg.batches
         self.stats.bytes_received += frames_nbytes(data)
         self.stats.messages_received += 1
-        ids = self._cur[s]
+        cols = self.layout.stream_columns(s)
+        # Only the instructed (finite) pointers are looked at: a round costs what its
+        # blocks do, not what the stream's columns do.
+        cur = index_array(data[0])
+        try:
+            cur_cols = pointer_columns(cur, cols.start, cols.stop - cols.start,
+                                       self.layout.num_columns, self.layout.num_blocks)
+        except ProtocolError as e:
+            raise ProtocolError(f"instruction for stream {s}: {e}") from None
+        if self._ids is not None:
+            # Eager: the instruction is the union of the ranks' blocks, so it holds all of ours.
+            mine = self._ids[self._bounds[s] : self._bounds[s + 1]]
+            pos = np.searchsorted(cur, mine)
+            skipped = len(mine) > 0 and (int(pos[-1]) >= len(cur) or not np.array_equal(cur[pos], mine))
+        else:
+            mine = self._mynext[cur_cols]
+            skipped = bool((mine < cur).any()) or np.count_nonzero(mine != INF) != self._live[s]
+        if skipped:
+            raise ProtocolError(f"instruction for stream {s} skips a nonzero block of rank {self.rank}")
+        # The payload holds the sums of the previous instruction's blocks; an eager op's
+        # only RESULT, those of its own instruction (the union of the ranks' blocks).
+        ids = cur if self.eager else self._cur[s]
         payload = np.frombuffer(buffer_of(data[1]), dtype=self.dtype.storage)
         if ids is not None:
             if len(payload) != self.layout.payload_elements(ids):
@@ -296,22 +332,10 @@ class WorkerOp:
             self.stats.blocks_received += len(ids)
         elif len(payload):
             raise ProtocolError("round 0 result carries data")
-        cols = self.layout.stream_columns(s)
-        # Only the instructed (finite) pointers are looked at: a round costs what its
-        # blocks do, not what the stream's columns do.
-        cur = index_array(data[0])
-        try:
-            cur_cols = pointer_columns(cur, cols.start, cols.stop - cols.start,
-                                       self.layout.num_columns, self.layout.num_blocks)
-        except ProtocolError as e:
-            raise ProtocolError(f"instruction for stream {s}: {e}") from None
         self._cur[s] = cur
         self._rounds[s] += 1
         self.stats.rounds = max(self.stats.rounds, self._rounds[s])
-        mine = self._mynext[cur_cols]
-        if (mine < cur).any() or np.count_nonzero(mine != INF) != self._live[s]:
-            raise ProtocolError(f"instruction for stream {s} skips a nonzero block of rank {self.rank}")
-        if len(cur) == 0:
+        if self.eager or len(cur) == 0:
             self._left -= 1
             return None
         sel = np.flatnonzero(mine == cur)
@@ -325,12 +349,6 @@ class WorkerOp:
             after = self._table[ids // self.layout.num_columns + 1, abs_cols]
         self._mynext[abs_cols] = after
         self._live[s] -= int(np.count_nonzero(after == INF))
-        # A run of consecutive blocks goes out as a view of the input, without a copy:
-        # the input is not modified before the op completes (the caller's contract).
-        if self._data is not None:
-            payload = self._data.gather(ids, self.layout)
-        else:
-            payload = blocks.gather(self.flat, ids, self.layout, copy=False)
-        frames = encode(Blocks(self.job, self.rank, self.op, s, msg.round), after, payload)
+        frames = encode(Blocks(self.job, self.rank, self.op, s, msg.round), after, self._payload(ids))
         self._count_sent(frames, len(ids))
         return frames

@@ -207,8 +207,8 @@ class RowsOpData:
     def layout(self) -> Layout:
         """The op's layout, from the row count and width alone (every rank computes the same).
 
-        One column per row, so every nonzero row moves in the first data round and
-        an op takes two rounds whatever its density; as few streams as keep a
+        One column per row, so the op is eager (every nonzero row moves with the
+        START, one round trip whatever the density); as few streams as keep a
         message's payload within :data:`ROWS_MESSAGE_BYTES`.
         """
         rows = max(1, self.x.num_rows)

@@ -1,0 +1,140 @@
+"""Eager ops: a layout of one row of blocks moves its blocks with the START, in one round trip."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from aggregator.engine import Engine
+from aggregator.limits import Limits
+from omnireduce.dtypes import DType
+from omnireduce.errors import ProtocolError
+from omnireduce.layout import Layout
+from omnireduce.protocol import ErrorCode, Result, Start, decode, encode
+from tests.helpers import errors_by_peer, peer_of, run_allreduce, wire
+from worker.op import WorkerOp
+
+
+def _sparse(rng: np.random.Generator, n: int, block: int, density: float, dtype: np.dtype) -> np.ndarray:
+    x = np.zeros(n, dtype)
+    nb = -(-n // block)
+    for b in np.flatnonzero(rng.random(nb) < density):
+        seg = slice(b * block, min(n, (b + 1) * block))
+        x[seg] = rng.integers(-50, 50, seg.stop - seg.start).astype(dtype)
+    return x
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_one_row_op_is_summed_in_one_round_trip(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    # 997 elements in blocks of 8: 125 blocks, the last one short, in 2 streams of up to 64 columns.
+    xs = [_sparse(rng, 997, 8, d, np.float32) for d in (0.05, 0.3, 0.0, 1.0)[: 2 + seed % 3]]
+    xs[0][-3:] = 1.5  # the short last block is in the union
+    outs, ops, engine = run_allreduce(xs, DType.FLOAT32, block_size=8, message_blocks=64, streams=2,
+                                      shuffle=random.Random(seed))
+    for out in outs:
+        np.testing.assert_array_equal(out, np.sum(xs, axis=0))
+    for w in ops:
+        assert w.eager
+        # START (with the blocks) is the only message; one RESULT per stream comes back.
+        assert w.stats.messages_sent == 1 and w.stats.messages_received == 2 and w.stats.rounds == 1
+        assert w.stats.blocks_sent == np.count_nonzero(np.add.reduceat(xs[w.rank] != 0, np.arange(0, 997, 8)))
+    assert engine.counters.rounds == 2 and engine.ops_completed == 1 and engine.held_bytes == 0
+
+
+def test_an_op_of_two_rows_is_not_eager_and_takes_its_rounds() -> None:
+    x = np.ones(16 * 8, np.float32)
+    _, ops, _ = run_allreduce([x, x], DType.FLOAT32, block_size=8, message_blocks=4, streams=2)
+    assert not ops[0].eager and ops[0].stats.messages_sent > 1 and ops[0].stats.rounds > 1
+
+
+@pytest.mark.parametrize("dtype", [DType.INT32, DType.FLOAT16, DType.FLOAT64])
+def test_eager_ops_weighted_and_integer(dtype: DType) -> None:
+    rng = np.random.default_rng(3)
+    xs = [_sparse(rng, 200, 16, 0.4, np.dtype(dtype.storage)) for _ in range(3)]
+    weights = None if dtype.is_integer else [1.0, 2.0, 5.0]
+    outs, ops, _ = run_allreduce(xs, dtype, block_size=16, message_blocks=16, streams=1, weights=weights)
+    assert all(w.eager for w in ops)
+    ref = np.sum(xs, axis=0, dtype=np.int64).astype(xs[0].dtype) if weights is None else (
+        sum(w * x.astype(np.float64) for w, x in zip(weights, xs, strict=True)) / sum(weights)
+    ).astype(xs[0].dtype)
+    for out in outs:
+        np.testing.assert_allclose(out.astype(np.float64), ref.astype(np.float64), rtol=1e-3 if weights else 0)
+
+
+def test_eager_op_where_no_rank_has_a_block() -> None:
+    outs, ops, engine = run_allreduce([np.zeros(40, np.float32)] * 2, DType.FLOAT32, block_size=8, message_blocks=8)
+    assert all(w.eager and w.done for w in ops)
+    np.testing.assert_array_equal(outs[0], np.zeros(40, np.float32))
+    assert engine.held_bytes == 0
+
+
+def _eager_start(rank: int, world: int, x: np.ndarray, layout: Layout) -> list[bytes]:
+    return wire(WorkerOp("j", rank, world, 0, x, DType.FLOAT32, layout).start())
+
+
+def test_the_engine_refuses_an_eager_start_of_two_rows() -> None:
+    # 8 blocks of 4 in 2 columns: a column holds two blocks.
+    bad = encode(Start("j", 0, 2, 0, 32, int(DType.FLOAT32), 4, 2, 1, eager=True),
+                 np.array([0, 1], np.int64), np.zeros(8, np.float32))
+    errs = errors_by_peer(Engine().handle(peer_of(0), wire(bad)))
+    assert errs[peer_of(0)].code == ErrorCode.PROTOCOL and "more than one row" in errs[peer_of(0)].message
+
+
+def test_the_engine_refuses_an_eager_payload_of_the_wrong_size() -> None:
+    bad = encode(Start("j", 0, 2, 0, 32, int(DType.FLOAT32), 4, 8, 1, eager=True),
+                 np.array([0, 5], np.int64), np.zeros(7, np.float32))
+    errs = errors_by_peer(Engine().handle(peer_of(0), wire(bad)))
+    assert errs[peer_of(0)].code == ErrorCode.PROTOCOL and "eager payload of 28 bytes, expected 32" in (
+        errs[peer_of(0)].message)
+
+
+def test_eager_and_plain_ranks_of_one_op_are_a_mismatch() -> None:
+    engine = Engine()
+    layout = Layout(32, 4, 8, 1)
+    assert engine.handle(peer_of(0), _eager_start(0, 2, np.ones(32, np.float32), layout)) == []
+    plain = encode(Start("j", 1, 2, 0, 32, int(DType.FLOAT32), 4, 8, 1), np.arange(8, dtype=np.int64))
+    errs = errors_by_peer(engine.handle(peer_of(1), wire(plain)))
+    assert set(errs) == {peer_of(0), peer_of(1)}
+    assert all(e.code == ErrorCode.MISMATCH and "eager: True vs False" in e.message for e in errs.values())
+    assert engine.held_bytes == 0
+
+
+def test_eager_payloads_count_against_the_job_cap() -> None:
+    engine = Engine(limits=Limits(max_job_bytes=64 << 10))
+    layout = Layout(30_000, 100, 1000, 1)  # 300 blocks, one row: 120 kB of payload per rank
+    errs = errors_by_peer(engine.handle(peer_of(0), _eager_start(0, 2, np.ones(30_000, np.float32), layout)))
+    assert errs[peer_of(0)].code == ErrorCode.LIMIT and "bytes in flight" in errs[peer_of(0)].message
+    assert engine.held_bytes == 0
+
+
+def _result(data: list[np.ndarray], rnd: int = 0) -> tuple[Result, list[bytes]]:
+    msg, frames = decode(wire(encode(Result("j", 0, 0, rnd), *data)))
+    assert isinstance(msg, Result)
+    return msg, frames
+
+
+def test_the_worker_takes_one_result_per_eager_stream() -> None:
+    x = np.zeros(32, np.float32)
+    x[4:8] = 1.0
+    w = WorkerOp("j", 0, 2, 0, x, DType.FLOAT32, Layout(32, 4, 8, 1))
+    w.start()
+    assert w.on_result(*_result([np.array([1, 3], np.int64), np.arange(8, dtype=np.float32)])) is None
+    assert w.done
+    np.testing.assert_array_equal(w.out[4:8], [0, 1, 2, 3])
+    np.testing.assert_array_equal(w.out[12:16], [4, 5, 6, 7])
+    with pytest.raises(ProtocolError, match="out of order"):
+        w.on_result(*_result([np.zeros(0, np.int64), np.zeros(0, np.float32)], rnd=1))
+
+
+def test_the_worker_refuses_an_eager_result_without_its_block() -> None:
+    x = np.zeros(32, np.float32)
+    x[4:8] = 1.0
+    w = WorkerOp("j", 0, 2, 0, x, DType.FLOAT32, Layout(32, 4, 8, 1))
+    w.start()
+    with pytest.raises(ProtocolError, match="skips a nonzero block"):
+        w.on_result(*_result([np.array([3], np.int64), np.arange(4, dtype=np.float32)]))
+    with pytest.raises(ProtocolError, match="expected 8"):
+        w.on_result(*_result([np.array([1, 3], np.int64), np.arange(4, dtype=np.float32)]))

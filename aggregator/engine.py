@@ -617,25 +617,74 @@ class Engine:
         out: list[Outgoing] = []
         lo = np.searchsorted(union, spans)
         for k, s in enumerate(op.streams):
-            s.cur = union[lo[k] : lo[k + 1]]
+            cur = s.cur = union[lo[k] : lo[k + 1]]
             for rank, (start, _) in enumerate(starts):
                 a, b = bounds[rank][k], bounds[rank][k + 1]
                 if a < b:
                     # Only the tensor's short last block, in the last column, is stored short.
                     payload = payloads[rank][a * lay.block_size : a * lay.block_size
                                              + lay.payload_elements(start[a:b])]
-                    s.received[rank] = (np.searchsorted(s.cur, start[a:b]), payload)
+                    s.received[rank] = (np.searchsorted(cur, start[a:b]), payload)
+            order, groups = self._eager_order(op, s, cur)
+            if order is not None:
+                # Sum straight into the grouped order (each rank's payload rows to their new rows).
+                inv = np.empty(len(order), dtype=np.int64)
+                inv[order] = np.arange(len(order))
+                s.received = {r: (inv[sel], p) for r, (sel, p) in s.received.items()}
+                s.cur = cur[order]
             summed = self._sum_round(op, s)
+            header = encode(Result(op.job, op.op, s.index, 0, batches if k == 0 else None))[0]
+            shared = [header, cur, _EMPTY_INDEX if order is None else order, groups]
+            b = lay.block_size
+            for rank, peer in enumerate(op.peers):
+                if peer is not None:
+                    # Every block before the shared group is whole: positions times the block size.
+                    lo_r, hi_r = int(groups[rank]), int(groups[rank + 1])
+                    out.append((peer, [*shared, summed[: lo_r * b], summed[hi_r * b :]]))
+                    self.counters.blocks_out += len(cur) - (hi_r - lo_r)
+            s.cur = cur
             s.received = {}
             s.round = 1
             s.done = True
             self.counters.rounds += 1
-            self.counters.blocks_out += len(s.cur) * op.world_size
-            frames = encode(Result(op.job, op.op, s.index, 0, batches if k == 0 else None), s.cur, summed)
-            out += [(p, frames) for p in op.peers if p is not None]
         op.streams_left = 0
         self._retire(op)
         return out
+
+    def _eager_order(self, op: _Op, s: _Stream, cur: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """The order an eager stream's sums are sent in, so that no rank is sent its own blocks back.
+
+        A block that only one rank sent sums to that rank's block itself (``0 + x`` is
+        ``x``, also widened and rounded back). The sums are laid out as rank 0's such
+        blocks, rank 1's, ..., then the blocks several ranks sent; rank ``r`` is sent
+        two zero-copy slices of that one array, everything but its own group. With rows
+        that seldom coincide a rank then receives the others' rows, as from an
+        allgather, not the whole union (half as much at two ranks).
+
+        Returns:
+            The permutation of ``cur`` in that layout (None: as it is; every sum is
+            sent), and the W + 1 group starts (rank ``r``'s group is ``[g[r], g[r+1])``;
+            the shared group starts at ``g[W]``).
+        """
+        lay = op.layout
+        world = op.world_size
+        k = len(cur)
+        none = np.zeros(world + 1, dtype=np.int64)
+        # A weighted op's sums are not the blocks; a rank holding every block is summed aligned.
+        if op.weights is not None or world < 2 or any(len(sel) == k for sel, _ in s.received.values()):
+            return None, none
+        cover = np.zeros(k, dtype=np.int32)
+        for sel, _ in s.received.values():
+            cover[sel] += 1
+        owner = np.full(k, world, dtype=np.int64)
+        for rank, (sel, _) in s.received.items():
+            owner[sel[cover[sel] == 1]] = rank
+        if k and lay.tail_length != lay.block_size and int(cur[-1]) == lay.num_blocks - 1:
+            owner[-1] = world  # the short last block stays last, among the shared
+        if not (owner < world).any():
+            return None, none
+        order = np.argsort(owner, kind="stable")
+        return order, np.searchsorted(owner[order], np.arange(world + 1))
 
     def _check_pointers(
         self, op: _Op, ptrs: np.ndarray, cols: np.ndarray, after: np.ndarray, rank: int

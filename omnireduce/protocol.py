@@ -26,10 +26,15 @@ column then holds at most one block, so round 0's instruction is exactly each
 worker's own pointers and round 1 would move all of its blocks. An eager START
 carries those blocks, and the aggregator answers with a single RESULT of round 0
 that holds the instruction (the union of the workers' blocks), their sums, and
-ends the stream: one round trip instead of two::
+ends the stream: one round trip instead of two. A block that only one worker sent
+sums to itself, so that worker is not sent it back (an unweighted op; never the
+short last block): the sums are ordered as worker 0's own blocks, worker 1's, ...,
+then the blocks several workers sent, and each worker gets all but its own group::
 
       START   (pointers + the blocks at them, eager)  ->
-              <-  RESULT(round 0: the union as instruction, its sums; stream done)
+              <-  RESULT(round 0: the union as instruction, the order of the sums,
+                         the groups' starts, the sums before and after this
+                         worker's own group; stream done)
 
 Block indices and payloads use the host byte order; all supported hosts are
 little-endian.
@@ -195,8 +200,12 @@ class Result:
     Frames: the next instruction, the block to send of every column of the stream
     that is not finished (int64, in column order; see :func:`compact_pointers`),
     then the summed payload of the columns instructed in the previous round (empty
-    after round 0). The round-0 RESULT of an eager op is the exception: its payload
-    is the sums of the blocks its instruction names, and it ends the stream.
+    after round 0). The round-0 RESULT of an eager op is the exception, and ends the
+    stream. Its frames: the instruction (the union); the order of the sums (int64
+    positions in the instruction; empty: the instruction's order); the start of each
+    worker's group of own blocks in that order and of the shared group (world + 1
+    int64); the sums of the blocks before the receiving worker's group; the sums of
+    those after it. The worker's own blocks, sent only by it, sum to themselves.
 
     ``batches``, in round 0 of stream 0 only, is the aggregator's recommended
     batch size per rank (floats summing to the op's total weight), from the ranks'

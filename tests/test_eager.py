@@ -110,7 +110,18 @@ def test_eager_payloads_count_against_the_job_cap() -> None:
     assert engine.held_bytes == 0
 
 
+def _started(x: np.ndarray, message_blocks: int = 8) -> WorkerOp:
+    """Rank 0 of 2's eager op of ``x`` in blocks of 4, its START sent."""
+    w = WorkerOp("j", 0, 2, 0, x, DType.FLOAT32, Layout(len(x), 4, message_blocks, 1))
+    w.start()
+    return w
+
+
 def _result(data: list[np.ndarray], rnd: int = 0) -> tuple[Result, list[bytes]]:
+    if len(data) == 2:
+        # In the instruction's order, no group: every sum in the second part.
+        cur, sums = data
+        data = [cur, np.zeros(0, np.int64), np.zeros(3, np.int64), sums[:0], sums]
     msg, frames = decode(wire(encode(Result("j", 0, 0, rnd), *data)))
     assert isinstance(msg, Result)
     return msg, frames
@@ -119,8 +130,7 @@ def _result(data: list[np.ndarray], rnd: int = 0) -> tuple[Result, list[bytes]]:
 def test_the_worker_takes_one_result_per_eager_stream() -> None:
     x = np.zeros(32, np.float32)
     x[4:8] = 1.0
-    w = WorkerOp("j", 0, 2, 0, x, DType.FLOAT32, Layout(32, 4, 8, 1))
-    w.start()
+    w = _started(x)
     assert w.on_result(*_result([np.array([1, 3], np.int64), np.arange(8, dtype=np.float32)])) is None
     assert w.done
     np.testing.assert_array_equal(w.out[4:8], [0, 1, 2, 3])
@@ -129,11 +139,87 @@ def test_the_worker_takes_one_result_per_eager_stream() -> None:
         w.on_result(*_result([np.zeros(0, np.int64), np.zeros(0, np.float32)], rnd=1))
 
 
+def test_an_eager_result_leaves_out_the_blocks_only_the_receiver_sent() -> None:
+    # 2 ranks: rank 0 has blocks 1 and 5, rank 1 has blocks 5 and 6 (of 8 blocks of 4, one row).
+    x0, x1 = np.zeros(32, np.float32), np.zeros(32, np.float32)
+    x0[4:8], x0[20:24] = 1.0, 2.0
+    x1[20:24], x1[24:28] = 3.0, 4.0
+    for inplace in (False, True):
+        outs, ops, engine = run_allreduce([x0.copy(), x1.copy()], DType.FLOAT32, block_size=4, message_blocks=8,
+                                          streams=1, inplace=inplace)
+        for out in outs:
+            np.testing.assert_array_equal(out, x0 + x1)
+        # Each receives the shared block 5 and the other's block, not its own.
+        assert [w.stats.blocks_received for w in ops] == [2, 2]
+        assert engine.counters.blocks_out == 4
+
+
+def test_weighted_eager_ops_send_every_sum() -> None:
+    x0, x1 = np.zeros(32, np.float32), np.zeros(32, np.float32)
+    x0[4:8], x1[24:28] = 1.0, 4.0
+    outs, ops, _ = run_allreduce([x0, x1], DType.FLOAT32, block_size=4, message_blocks=8, streams=1,
+                                 weights=[1.0, 3.0])
+    np.testing.assert_array_equal(outs[0], (x0 + 3 * x1) / 4)
+    assert [w.stats.blocks_received for w in ops] == [2, 2]
+
+
+def test_the_short_last_block_is_always_sent() -> None:
+    x0, x1 = np.zeros(30, np.float32), np.zeros(30, np.float32)
+    x0[28:30] = 7.0  # block 7 (2 elements), only rank 0's
+    x1[0:4] = 1.0
+    outs, ops, _ = run_allreduce([x0, x1], DType.FLOAT32, block_size=4, message_blocks=8, streams=1)
+    np.testing.assert_array_equal(outs[1], x0 + x1)
+    assert [w.stats.blocks_received for w in ops] == [2, 1]
+
+
+def _own_result(cur: list[int], order: list[int], groups: list[int], before: int, after: int) -> tuple[Result, list]:
+    return _result([np.array(cur, np.int64), np.array(order, np.int64), np.array(groups, np.int64),
+                    np.zeros(before, np.float32), np.zeros(after, np.float32)])
+
+
+@pytest.mark.parametrize("order, groups, match", [
+    ([1, 1], [0, 1, 1], "repeats"),
+    ([0, 2], [0, 1, 1], "orders 2 sums of 2"),
+    ([1, 0], [0, 1, 3], "group starts"),
+    ([1, 0], [1, 1, 1], "group starts"),
+    ([0, 1], [0, 1, 1], "did not send"),  # block 0 is not rank 0's
+])
+def test_the_worker_refuses_to_keep_blocks_that_are_not_its_own(order: list[int], groups: list[int],
+                                                                 match: str) -> None:
+    x = np.zeros(32, np.float32)
+    x[4:8] = 1.0
+    w = _started(x)
+    with pytest.raises(ProtocolError, match=match):
+        w.on_result(*_own_result([0, 1], order, groups, 0, 4))
+
+
+def test_the_worker_keeps_its_own_group_from_its_input() -> None:
+    x = np.zeros(32, np.float32)
+    x[4:8] = 1.0
+    w = _started(x)
+    # Union: blocks 1 (rank 0's alone) and 6 (rank 1's alone); rank 0's group first.
+    msg, frames = _result([np.array([1, 6], np.int64), np.array([0, 1], np.int64), np.array([0, 1, 2], np.int64),
+                           np.zeros(0, np.float32), np.full(4, 5.0, np.float32)])
+    assert w.on_result(msg, frames) is None and w.done
+    np.testing.assert_array_equal(w.out[4:8], 1.0)
+    np.testing.assert_array_equal(w.out[24:28], 5.0)
+    assert w.stats.blocks_received == 1
+    with pytest.raises(ProtocolError, match="elements for 1 blocks"):
+        _started(x).on_result(*_own_result([1, 6], [0, 1], [0, 1, 2], 0, 8))
+
+
+def test_the_worker_refuses_to_keep_its_short_last_block() -> None:
+    x = np.zeros(30, np.float32)
+    x[28:30] = 1.0
+    w = _started(x)
+    with pytest.raises(ProtocolError, match="did not send in full"):
+        w.on_result(*_own_result([7], [0], [0, 1, 1], 0, 0))
+
+
 def test_the_worker_refuses_an_eager_result_without_its_block() -> None:
     x = np.zeros(32, np.float32)
     x[4:8] = 1.0
-    w = WorkerOp("j", 0, 2, 0, x, DType.FLOAT32, Layout(32, 4, 8, 1))
-    w.start()
+    w = _started(x)
     with pytest.raises(ProtocolError, match="skips a nonzero block"):
         w.on_result(*_result([np.array([3], np.int64), np.arange(4, dtype=np.float32)]))
     with pytest.raises(ProtocolError, match="expected 8"):

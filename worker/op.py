@@ -210,6 +210,8 @@ class WorkerOp:
         #: trip (an eager op; see omnireduce.protocol).
         self.eager = layout.num_blocks <= layout.num_columns
         self._ids: np.ndarray | None = None
+        # An eager op's START payload (its blocks in order), until the RESULT.
+        self._sent: np.ndarray | None = None
         if self.eager:
             # No table is built; this costs what the nonzero blocks do.
             ids = known if known is not None else np.flatnonzero(mask)
@@ -262,7 +264,9 @@ class WorkerOp:
             self._count_sent(frames, 0)
             return frames
         # In a one-row layout a block is its column's pointer: the pointers are the block ids.
-        frames = encode(header, self._ids, self._payload(self._ids))
+        # The payload is kept: the RESULT leaves out the sums that are this rank's own blocks.
+        self._sent = self._payload(self._ids)
+        frames = encode(header, self._ids, self._sent)
         self._count_sent(frames, len(self._ids))
         return frames
 
@@ -272,6 +276,62 @@ class WorkerOp:
         if self._data is not None:
             return self._data.gather(ids, self.layout)
         return blocks.gather(self.flat, ids, self.layout, copy=False)
+
+    def _apply_eager(self, s: int, cur: np.ndarray, data: list[Any]) -> None:
+        """An eager stream's RESULT: the sums of the union ``cur``, less this rank's own blocks.
+
+        Frames after the instruction: the order of the sums (a permutation of ``cur``;
+        empty: as ``cur``), the W + 1 starts of the ranks' groups in that order (rank
+        ``r``'s own blocks, which only it sent, are ``[g[r], g[r+1])``: their sums are
+        the blocks it sent), and the sums before and after this rank's group (see
+        ``aggregator.engine.Engine._eager_order``).
+        """
+        assert self._ids is not None and self._sent is not None
+        order, groups = index_array(data[1]), index_array(data[2])
+        k = len(cur)
+        ids = cur
+        if len(order):
+            seen = np.zeros(k, dtype=np.bool_)
+            if len(order) != k or int(order.min()) < 0 or int(order.max()) >= k:
+                raise ProtocolError(f"result for stream {s} orders {len(order)} sums of {k}")
+            seen[order] = True
+            if not seen.all():
+                raise ProtocolError(f"result for stream {s} orders its sums with repeats")
+            ids = cur[order]
+        if len(groups) != self.world_size + 1 or int(groups[0]) != 0 or int(groups[-1]) > k or (
+            np.diff(groups) < 0
+        ).any():
+            raise ProtocolError(f"result for stream {s} has bad group starts")
+        lo, hi = int(groups[self.rank]), int(groups[self.rank + 1])
+        nb = self.layout.num_blocks
+        short_tail = self.layout.tail_length != self.layout.block_size
+        if k and short_tail and int(cur[-1]) == nb - 1 and int(ids[-1]) != nb - 1:
+            raise ProtocolError(f"result for stream {s} does not order the short last block last")
+        own = ids[lo:hi]
+        where = np.searchsorted(self._ids, own)
+        b = self.layout.block_size
+        nfull = len(self._sent) // b
+        if len(own) and (int(where.max()) >= nfull or not np.array_equal(self._ids[where], own)):
+            raise ProtocolError(f"result for stream {s} leaves out blocks that rank {self.rank} did not send in full")
+        for part, frame in ((ids[:lo], data[3]), (ids[hi:], data[4])):
+            payload = np.frombuffer(buffer_of(frame), dtype=self.dtype.storage)
+            if len(payload) != self.layout.payload_elements(part):
+                raise ProtocolError(
+                    f"result for stream {s} has {len(payload)} elements for {len(part)} blocks, expected "
+                    f"{self.layout.payload_elements(part)}"
+                )
+            if len(part):
+                self._scatter(part, payload)
+        if len(own) and (self._data is not None or self.out is not self.flat):
+            # In place, the input already holds them.
+            self._scatter(own, self._sent[: nfull * b].reshape(nfull, b)[where].reshape(-1))
+        self.stats.blocks_received += k - len(own)
+
+    def _scatter(self, ids: np.ndarray, payload: np.ndarray) -> None:
+        if self._data is not None:
+            self._data.scatter(ids, payload, self.layout)
+        else:
+            blocks.scatter(self.out, ids, payload, self.layout)
 
     def _count_sent(self, frames: list[Any], nblocks: int) -> None:
         self.stats.bytes_sent += frames_nbytes(frames)
@@ -287,9 +347,10 @@ class WorkerOp:
         s = msg.stream
         if s >= self.layout.num_streams or (self._cur[s] is None or self.eager) and msg.round != 0:
             raise ProtocolError(f"result for stream {msg.stream} round {msg.round} out of order")
-        if msg.round != self._rounds[s] or len(data) != 2:
+        if msg.round != self._rounds[s] or len(data) != (5 if self.eager else 2):
             raise ProtocolError(
-                f"result for stream {s} round {msg.round} with {len(data)} frames; expected round {self._rounds[s]}"
+                f"result for stream {s} round {msg.round} with {len(data)} frames; expected round {self._rounds[s]} "
+                f"with {5 if self.eager else 2}"
             )
         if msg.batches is not None:
             if len(msg.batches) != self.world_size:
@@ -316,9 +377,15 @@ class WorkerOp:
             skipped = bool((mine < cur).any()) or np.count_nonzero(mine != INF) != self._live[s]
         if skipped:
             raise ProtocolError(f"instruction for stream {s} skips a nonzero block of rank {self.rank}")
-        # The payload holds the sums of the previous instruction's blocks; an eager op's
-        # only RESULT, those of its own instruction (the union of the ranks' blocks).
-        ids = cur if self.eager else self._cur[s]
+        if self.eager:
+            self._apply_eager(s, cur, data)
+            self._cur[s] = cur
+            self._rounds[s] += 1
+            self.stats.rounds = max(self.stats.rounds, self._rounds[s])
+            self._left -= 1
+            return None
+        # The payload holds the sums of the previous instruction's blocks.
+        ids = self._cur[s]
         payload = np.frombuffer(buffer_of(data[1]), dtype=self.dtype.storage)
         if ids is not None:
             if len(payload) != self.layout.payload_elements(ids):
@@ -335,7 +402,7 @@ class WorkerOp:
         self._cur[s] = cur
         self._rounds[s] += 1
         self.stats.rounds = max(self.stats.rounds, self._rounds[s])
-        if self.eager or len(cur) == 0:
+        if len(cur) == 0:
             self._left -= 1
             return None
         sel = np.flatnonzero(mine == cur)

@@ -235,15 +235,20 @@ class RowsOpData:
         if not self._ids:
             empty = np.empty((0, *width), dtype=self._values.dtype)
             return SparseRows(np.empty(0, dtype=np.int64), empty, self.x.num_rows, self.x.shape, self.dtype)
-        # Each message's rows come in increasing order and the messages cover disjoint
-        # ranges: in order of their first row they are the result's rows, joined in one copy.
-        parts = sorted(zip(self._ids, self._payloads, strict=True), key=lambda p: int(p[0][0]) if len(p[0]) else -1)
+        parts = list(zip(self._ids, self._payloads, strict=True))
         self._ids, self._payloads = [], []
         ids = np.concatenate([i for i, _ in parts])
-        values = np.concatenate([v for _, v in parts])
         if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            order = np.argsort(ids, kind="stable")
-            ids, values = ids[order], values[order]
+            # Parts that interleave (a rank's own rows, which the aggregator did not send
+            # back, among the others): each part's rows go to their places, one copy in all.
+            ids = np.sort(ids)
+            values = np.empty((len(ids), self.block_size), dtype=self._values.dtype)
+            for i, v in parts:
+                values[np.searchsorted(ids, i)] = v
+        else:
+            # Each message's rows come in increasing order and the messages cover disjoint
+            # ranges in stream order: joined as they came, in one copy.
+            values = np.concatenate([v for _, v in parts])
         return SparseRows(ids, values.reshape(len(ids), *width), self.x.num_rows, self.x.shape, self.dtype)
 
     def restore(self, _out: Any) -> Any:

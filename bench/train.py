@@ -280,10 +280,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--op-timeout", type=float, default=300.0, help="seconds any one operation may take")
     p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run")
+    p.add_argument("--retries", type=int, default=1,
+                   help="times a failed world is run again (a rank of torch's gloo sparse allreduce can abort "
+                   "with heap corruption: bench/RESULTS.md); a failure is recorded either way")
     p.add_argument("--out", default="bench/out-train", help="output folder")
     args = p.parse_args(argv)
     if min(args.workers) < 1 or args.steps < 1:
         p.error("--workers and --steps must be positive")
+    if args.retries < 0:
+        p.error("--retries must be non-negative")
     if args.rate != LOOPBACK and args.delay_us < 0:
         p.error("--delay-us must be non-negative")
     return args
@@ -301,22 +306,35 @@ def main(argv: list[str] | None = None) -> int:
             "torch_threads": args.torch_threads}
 
     def world(model: str, w: int, placement: Placement, master: tuple[str, int], iface: str | None) -> None:
-        def on_event(e: dict[str, Any]) -> None:
-            e.update(model=model, rate=args.rate, workers=w)
-            (steps if e["type"] == "step" else params).append(e)
-            if e["type"] == "step" and e["system"] == args.systems[-1] and (e["step"] + 1) % 10 == 0:
-                print(f"  {model} w={w} step {e['step'] + 1}/{args.steps}", flush=True)
+        for attempt in range(args.retries + 1):
+            # A world's events count only from the attempt that is kept: the last one.
+            events: list[dict[str, Any]] = []
 
-        print(f"{model}: {w} workers on {args.rate}", flush=True)
-        try:
-            run_world(dict(base, model=model, iface=iface), placement, master, os.path.join(args.out, "logs"),
-                      deadline, on_event)
-        except BenchError as e:
-            # The other worlds still run; the failure is reported and kept with the results.
-            print(f"bench.train: {model} with {w} workers failed: {e}", file=sys.stderr, flush=True)
-            failures.append({"model": model, "workers": w, "error": str(e)[:4000]})
-            if time.monotonic() > deadline:
-                raise
+            def on_event(e: dict[str, Any], events: list[dict[str, Any]] = events) -> None:
+                e.update(model=model, rate=args.rate, workers=w)
+                events.append(e)
+                if e["type"] == "step" and e["system"] == args.systems[-1] and (e["step"] + 1) % 10 == 0:
+                    print(f"  {model} w={w} step {e['step'] + 1}/{args.steps}", flush=True)
+
+            print(f"{model}: {w} workers on {args.rate}" + (f" (attempt {attempt + 1})" if attempt else ""),
+                  flush=True)
+            try:
+                run_world(dict(base, model=model, iface=iface), placement, master, os.path.join(args.out, "logs"),
+                          deadline, on_event)
+            except BenchError as e:
+                # The other worlds still run; the failure is reported and kept with the results.
+                last = attempt == args.retries or time.monotonic() > deadline
+                print(f"bench.train: {model} with {w} workers failed{'' if last else ', running it again'}: {e}",
+                      file=sys.stderr, flush=True)
+                failures.append({"model": model, "workers": w, "attempt": attempt + 1, "error": str(e)[:4000],
+                                 "retried": not last})
+                if time.monotonic() > deadline:
+                    raise
+                if not last:
+                    continue
+            for e in events:
+                (steps if e["type"] == "step" else params).append(e)
+            return
 
     failures: list[dict[str, Any]] = []
     extra["failures"] = failures
@@ -338,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     plots = _plot(steps, args.out, args.warmup)
     print(_table(rows))
     print(f"wrote {args.out}/results.json, {args.out}/steps.csv, " + ", ".join(plots))
-    return 1 if failures else 0
+    # A world that succeeded on a later attempt is not a failure of the run (its failures are kept).
+    return 1 if any(not f["retried"] for f in failures) else 0
 
 
 def _emulated(args: argparse.Namespace, world: Callable[..., None], extra: dict[str, Any]) -> None:

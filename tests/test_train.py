@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,44 @@ def test_bad_arguments_are_refused() -> None:
     res = subprocess.run([sys.executable, "-m", "bench.train", "--models", "resnet"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "invalid choice" in res.stderr
+
+
+def _failing_once(calls: list[int], fail_until: int):  # noqa: ANN202 - a run_world stand-in
+    from bench.driver import BenchError
+
+    def run_world(cfg, placement, master, run_dir, deadline, on_event) -> None:  # noqa: ANN001
+        calls.append(len(calls) + 1)
+        attempt = len(calls)
+        for step in range(cfg["steps"]):
+            for system in cfg["systems"]:
+                on_event({"type": "step", "system": system, "step": step, "seconds": 0.1 * attempt, "loss": 1.0,
+                          "metric": 0.5, "samples": 8, "bytes_sent": 1, "bytes_received": 1})
+            if attempt <= fail_until and step == 1:
+                raise BenchError("rank 1 exited with -6: malloc(): unaligned tcache chunk detected")
+
+    return run_world
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_failed_world_is_run_again_and_only_the_kept_attempt_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, retries: int
+) -> None:
+    from bench import train
+
+    calls: list[int] = []
+    monkeypatch.setattr(train, "run_world", _failing_once(calls, fail_until=1))
+    rc = train.main(["--rate", "loopback", "--models", "ctr", "--workers", "2", "--systems", "gloo-dense",
+                     "gloo-sparse", "--steps", "3", "--retries", str(retries), "--out", str(tmp_path)])
+    with open(os.path.join(tmp_path, "results.json")) as f:
+        data = json.load(f)
+    assert len(calls) == 1 + retries
+    failure = data["failures"][0]
+    assert len(data["failures"]) == 1 and failure["attempt"] == 1 and "tcache" in failure["error"]
+    if retries:
+        # The world succeeded on its second attempt: the run did not fail, the failure is kept.
+        assert rc == 0 and failure["retried"]
+        assert len(data["steps"]) == 3 * 2 and [s["seconds"] for s in data["steps"]] == pytest.approx([0.2] * 6)
+    else:
+        # No retry: the failed attempt's steps (2 of 3) are what there is, and the run failed.
+        assert rc == 1 and not failure["retried"]
+        assert len(data["steps"]) == 2 * 2 and [s["seconds"] for s in data["steps"]] == pytest.approx([0.1] * 4)

@@ -45,7 +45,7 @@ from bench.driver import (
     stop_all,
 )
 from bench.train_models import MODELS
-from bench.train_rank import REFERENCE, SYSTEMS
+from bench.train_rank import COLOCATED_SYSTEMS, REFERENCE, SYSTEMS
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def run_world(
     procs: list[subprocess.Popen] = []
     logs: list[str] = []
     try:
-        dedicated = any(s.startswith("omnireduce") and s != "omnireduce-colocated" for s in cfg["systems"])
+        dedicated = any(s.startswith("omnireduce") and s not in COLOCATED_SYSTEMS for s in cfg["systems"])
         aggs, addresses = start_aggregators(placement if dedicated else None, run_dir, tag, cfg["op_timeout"],
                                             deadline, procs, logs)
         cfg = dict(cfg, address=",".join(addresses) or None, job=f"train-{tag}-{os.getpid()}-{time.time_ns()}",

@@ -19,6 +19,8 @@ Systems:
 - ``omnireduce-auto``: ``sparse=True`` embeddings as rows through omnireduce, and each dense
   bucket (the MLP's, the LSTM's) through omnireduce or gloo's ring, whichever the cost model
   predicts faster: what a user of a model with both kinds of gradients would run.
+- ``omnireduce-colocated-auto``: as ``omnireduce-auto``, with every rank serving one
+  aggregator shard (no aggregator host).
 
 Rank 0 prints one JSON object per line on stdout (``step`` and ``params`` events).
 """
@@ -41,13 +43,18 @@ from bench import train_models
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SYSTEMS", "SPARSE_SYSTEMS", "Replica", "net_bytes", "run"]
+__all__ = ["SYSTEMS", "SPARSE_SYSTEMS", "COLOCATED_SYSTEMS", "Replica", "net_bytes", "run"]
 
 SYSTEMS = (
     "gloo-dense", "gloo-sparse", "omnireduce", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto",
+    "omnireduce-colocated-auto",
 )
 #: The systems whose models have ``sparse=True`` embeddings (COO gradients).
-SPARSE_SYSTEMS = frozenset({"gloo-sparse", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto"})
+SPARSE_SYSTEMS = frozenset({
+    "gloo-sparse", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto", "omnireduce-colocated-auto",
+})
+#: The systems whose ranks serve the aggregator shards themselves.
+COLOCATED_SYSTEMS = frozenset({"omnireduce-colocated", "omnireduce-colocated-auto"})
 #: The system the others' parameters are compared with.
 REFERENCE = "gloo-dense"
 
@@ -112,11 +119,11 @@ def _replica(system: str, spec: train_models.ModelSpec, cfg: dict[str, Any], ran
 
         options: dict[str, Any] = dict(rank=rank, world_size=world, job=f"{cfg['job']}-{system}",
                                        timeout=cfg["op_timeout"])
-        if system == "omnireduce-colocated":
+        if system in COLOCATED_SYSTEMS:
             replica.worker = connect(exchange=torch_exchange(), listen=cfg["colocated_listen"][rank], **options)
         else:
             replica.worker = connect(cfg["address"], **options)
-        if system == "omnireduce-auto":
+        if system.endswith("-auto"):
             replica.state = OmniReduceState(replica.worker, dense_group=dist.group.WORLD, mode="auto")
         else:
             replica.state = OmniReduceState(replica.worker)

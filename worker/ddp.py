@@ -59,12 +59,14 @@ class OmniReduceState:
             every later bucket fails at once with the same cause, so a loop can
             check ``state.error`` after catching the error from ``backward()``.
         buckets: buckets reduced so far.
-        coalesce_sparse: send the sparse gradients of one backward pass (DDP gives each
-            its own bucket: one per embedding table) as one op per row shape and dtype,
-            the tables' rows numbered one after the other, instead of one op each: a
-            model of 26 tables pays one op's fixed cost, not 26. They are held until
-            DDP's last bucket of the pass (every rank holds the same ones), so they go
-            out after the dense buckets rather than as each is ready.
+        coalesce_sparse: send the sparse gradients that DDP hands over one after
+            another (it gives each its own bucket: one per embedding table) as one op
+            per row shape and dtype, the tables' rows numbered one after the other,
+            instead of one op each: a model of 26 tables pays one op's fixed cost, not
+            26. A run of them is held until the next dense bucket or the pass's last
+            bucket (every rank sees the same buckets in the same order), so a table
+            whose gradient is ready early (a sampled softmax's output embedding) still
+            goes out while backward computes the layers below it.
     """
 
     __slots__ = ("worker", "average", "samples", "dense_group", "mode", "paths", "error", "buckets", "_chooser",
@@ -99,7 +101,7 @@ class OmniReduceState:
         self.buckets = 0
         self._lock = threading.Lock()
         self.coalesce_sparse = coalesce_sparse
-        # Sparse gradients waiting for the pass's last bucket: (bucket index, gradient, its future).
+        # Sparse gradients waiting for the next dense bucket or the pass's last: (bucket index, gradient, its future).
         self._held: list[tuple[int, torch.Tensor, ConcurrentFuture]] = []
 
     def record(self, error: BaseException) -> None:
@@ -165,6 +167,9 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
     Returns:
         A future completed with ``bucket.buffer()`` once the sum is in it.
     """
+    if state._held and not bucket.buffer().is_sparse:
+        # A dense bucket ends the run of sparse ones: they go out now, before it.
+        _send_held(state)
     try:
         return _hook(state, bucket)
     finally:

@@ -1,0 +1,75 @@
+"""The DDP hook's grouping of sparse gradients, with stand-in buckets and a stand-in worker."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from worker.ddp import OmniReduceState, omnireduce_hook  # noqa: E402
+from worker.rows import SparseRows  # noqa: E402
+
+
+class _Worker:
+    """One rank alone: every allreduce returns its input, and the calls are recorded."""
+
+    rank, world_size, block_size, message_blocks, streams = 0, 1, 256, 4096, 8
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def allreduce_async(self, x: Any, inplace: bool = False, weight: float | None = None) -> Future:
+        self.calls.append(x)
+        f: Future = Future()
+        f.set_result(x if not isinstance(x, SparseRows) else SparseRows(x.rows, x.values.copy(), x.num_rows))
+        return f
+
+
+class _Bucket:
+    def __init__(self, index: int, buffer: Any, last: bool) -> None:
+        self._index, self._buffer, self._last = index, buffer, last
+
+    def buffer(self) -> Any:
+        return self._buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def _sparse(rows: list[int], num_rows: int = 10, width: int = 4) -> Any:
+    idx = torch.tensor([rows])
+    return torch.sparse_coo_tensor(idx, torch.ones(len(rows), width), (num_rows, width)).coalesce()
+
+
+def _kinds(calls: list[Any]) -> list[Any]:
+    return [("rows", x.num_rows) if isinstance(x, SparseRows) else ("dense", x.numel()) for x in calls]
+
+
+def test_a_dense_bucket_sends_the_sparse_gradients_held_before_it() -> None:
+    w = _Worker()
+    state = OmniReduceState(w)
+    # A sampled softmax's output embedding is ready first, the LSTM's dense bucket next, the
+    # input embedding last: the first table goes out before the dense bucket, not at the end.
+    buckets = [_Bucket(0, _sparse([1, 3]), False), _Bucket(1, torch.ones(8), False),
+               _Bucket(2, _sparse([2], num_rows=6), False), _Bucket(3, _sparse([0, 5], num_rows=6), True)]
+    futures = [omnireduce_hook(state, b) for b in buckets]
+    assert _kinds(w.calls) == [("rows", 10), ("dense", 8), ("rows", 12)]
+    for b, f in zip(buckets, futures, strict=True):
+        got = f.wait()
+        want = b.buffer()
+        assert torch.equal(got.to_dense(), want.to_dense()) if want.is_sparse else torch.equal(got, want)
+
+
+def test_consecutive_sparse_gradients_are_one_op() -> None:
+    w = _Worker()
+    state = OmniReduceState(w)
+    buckets = [_Bucket(0, torch.ones(8), False), *(_Bucket(i, _sparse([i]), i == 3) for i in (1, 2, 3))]
+    for f in [omnireduce_hook(state, b) for b in buckets]:
+        f.wait()
+    assert _kinds(w.calls) == [("dense", 8), ("rows", 30)]

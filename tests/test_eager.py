@@ -224,3 +224,34 @@ def test_the_worker_refuses_an_eager_result_without_its_block() -> None:
         w.on_result(*_result([np.array([3], np.int64), np.arange(4, dtype=np.float32)]))
     with pytest.raises(ProtocolError, match="expected 8"):
         w.on_result(*_result([np.array([1, 3], np.int64), np.arange(4, dtype=np.float32)]))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_eager_ops_equal_the_dense_sum(seed: int) -> None:
+    # Worlds of 2-5 ranks, overlapping and disjoint blocks, short last blocks, several
+    # streams, in place or not, weighted or not, messages delivered in random order.
+    rng = np.random.default_rng(100 + seed)
+    world = int(rng.integers(2, 6))
+    block = int(rng.choice([1, 3, 8]))
+    n = int(rng.integers(1, 400))
+    nb = -(-n // block)
+    streams = int(rng.integers(1, 4))
+    message_blocks = -(-nb // streams) + int(rng.integers(0, 3))  # one row: every column holds a block at most
+    shared = rng.random(nb) < rng.random() * 0.5
+    xs = []
+    for _ in range(world):
+        mine = shared | (rng.random(nb) < rng.random())
+        x = np.zeros(nb * block, np.float32)
+        x.reshape(nb, block)[mine] = rng.integers(-9, 10, (int(mine.sum()), block))
+        xs.append(x[:n].copy())
+    weights = [float(w) for w in rng.integers(1, 5, world)] if seed % 4 == 0 else None
+    inplace = seed % 3 == 0
+    want = np.sum(xs, axis=0) if weights is None else sum(w * x for w, x in zip(weights, xs, strict=True)) / sum(
+        weights)
+    outs, ops, engine = run_allreduce([x.copy() for x in xs], DType.FLOAT32, block_size=block,
+                                      message_blocks=message_blocks, streams=streams, weights=weights,
+                                      inplace=inplace, shuffle=random.Random(seed))
+    assert all(w.eager for w in ops)
+    for out in outs:
+        np.testing.assert_allclose(out, want, rtol=1e-6, atol=0)
+    assert engine.held_bytes == 0 and engine.ops_completed == 1

@@ -575,26 +575,33 @@ class Engine:
         self.counters.rounds += len(op.streams)
         return out
 
-    def _build_tables(self, op: _Op) -> None:
-        """Every stream's table of next pointers over its active columns, from the STARTs."""
-        lay = op.layout
+    @staticmethod
+    def _take_starts(op: _Op) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray, list[np.ndarray]]:
+        """Takes the ranks' STARTs, once every rank has joined, and cuts them by stream.
+
+        Returns:
+            Every rank's (pointers, columns), in rank order; the union of their columns;
+            where each stream's run of the union starts (streams + 1 bounds); and, per
+            rank, where each stream's run of its pointers starts. Pointers come in
+            column order, and every stream is a contiguous run of columns.
+        """
         starts = [p for p in op.starts if p is not None]
         op.starts = [None] * op.world_size
         union = _union_sorted([c for _, c in starts])
+        spans = [s.span.start for s in op.streams] + [op.layout.num_columns]
+        return starts, union, np.searchsorted(union, spans), [np.searchsorted(c, spans) for _, c in starts]
+
+    def _build_tables(self, op: _Op) -> None:
+        """Every stream's table of next pointers over its active columns, from the STARTs."""
+        starts, union, lo, bounds = self._take_starts(op)
         if len(union) > op.reserved_columns:
             self._hold(op, None, (len(union) - op.reserved_columns) * 9 * op.world_size)
             op.reserved_columns = len(union)
-        for s in op.streams:
-            lo, hi = np.searchsorted(union, [s.span.start, s.span.stop])
-            s.cols = union[lo:hi]
+        for k, s in enumerate(op.streams):
+            s.cols = union[lo[k] : lo[k + 1]]
             s.nextp = np.full((op.world_size, len(s.cols)), INF, dtype=np.int64)
-        for rank, (ptrs, c) in enumerate(starts):
-            if not len(ptrs):
-                continue
-            # Pointers come in column order, and every stream is a contiguous run of columns.
-            bounds = np.searchsorted(c, [s.span.start for s in op.streams] + [lay.num_columns])
-            for k, s in enumerate(op.streams):
-                a, b = bounds[k], bounds[k + 1]
+            for rank, (ptrs, c) in enumerate(starts):
+                a, b = bounds[rank][k], bounds[rank][k + 1]
                 if a < b:
                     s.nextp[rank, np.searchsorted(s.cols, c[a:b])] = ptrs[a:b]
 
@@ -607,43 +614,37 @@ class Engine:
         """
         assert op.payloads is not None
         lay = op.layout
-        # Every rank's, in rank order: all have joined.
-        starts = [p for p in op.starts if p is not None]
-        payloads = [p for p in op.payloads if p is not None]
-        op.starts, op.payloads = [None] * op.world_size, None
-        union = _union_sorted([c for _, c in starts])
-        spans = [s.span.start for s in op.streams] + [lay.num_columns]
-        bounds = [np.searchsorted(c, spans) for _, c in starts]
+        bs = lay.block_size
+        payloads = [p for p in op.payloads if p is not None]  # every rank's: all have joined
+        op.payloads = None
+        starts, union, lo, bounds = self._take_starts(op)
         out: list[Outgoing] = []
-        lo = np.searchsorted(union, spans)
         for k, s in enumerate(op.streams):
             cur = s.cur = union[lo[k] : lo[k + 1]]
+            received: dict[int, tuple[np.ndarray, np.ndarray]] = {}
             for rank, (start, _) in enumerate(starts):
                 a, b = bounds[rank][k], bounds[rank][k + 1]
                 if a < b:
                     # Only the tensor's short last block, in the last column, is stored short.
-                    payload = payloads[rank][a * lay.block_size : a * lay.block_size
-                                             + lay.payload_elements(start[a:b])]
-                    s.received[rank] = (np.searchsorted(cur, start[a:b]), payload)
-            order, groups = self._eager_order(op, s, cur)
+                    payload = payloads[rank][a * bs : a * bs + lay.payload_elements(start[a:b])]
+                    received[rank] = (np.searchsorted(cur, start[a:b]), payload)
+            order, groups = self._eager_order(op, received, cur)
+            ids = cur
             if order is not None:
                 # Sum straight into the grouped order (each rank's payload rows to their new rows).
                 inv = np.empty(len(order), dtype=np.int64)
                 inv[order] = np.arange(len(order))
-                s.received = {r: (inv[sel], p) for r, (sel, p) in s.received.items()}
-                s.cur = cur[order]
-            summed = self._sum_round(op, s)
+                received = {r: (inv[sel], p) for r, (sel, p) in received.items()}
+                ids = cur[order]
+            summed = self._sum_round(op, received, ids)
             header = encode(Result(op.job, op.op, s.index, 0, batches if k == 0 else None))[0]
             shared = [header, cur, _EMPTY_INDEX if order is None else order, groups]
-            b = lay.block_size
             for rank, peer in enumerate(op.peers):
                 if peer is not None:
                     # Every block before the shared group is whole: positions times the block size.
                     lo_r, hi_r = int(groups[rank]), int(groups[rank + 1])
-                    out.append((peer, [*shared, summed[: lo_r * b], summed[hi_r * b :]]))
+                    out.append((peer, [*shared, summed[: lo_r * bs], summed[hi_r * bs :]]))
                     self.counters.blocks_out += len(cur) - (hi_r - lo_r)
-            s.cur = cur
-            s.received = {}
             s.round = 1
             s.done = True
             self.counters.rounds += 1
@@ -651,7 +652,9 @@ class Engine:
         self._retire(op)
         return out
 
-    def _eager_order(self, op: _Op, s: _Stream, cur: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    def _eager_order(
+        self, op: _Op, received: dict[int, tuple[np.ndarray, np.ndarray]], cur: np.ndarray
+    ) -> tuple[np.ndarray | None, np.ndarray]:
         """The order an eager stream's sums are sent in, so that no rank is sent its own blocks back.
 
         A block that only one rank sent sums to that rank's block itself (``0 + x`` is
@@ -671,13 +674,13 @@ class Engine:
         k = len(cur)
         none = np.zeros(world + 1, dtype=np.int64)
         # A weighted op's sums are not the blocks; a rank holding every block is summed aligned.
-        if op.weights is not None or world < 2 or any(len(sel) == k for sel, _ in s.received.values()):
+        if op.weights is not None or world < 2 or any(len(sel) == k for sel, _ in received.values()):
             return None, none
         cover = np.zeros(k, dtype=np.int32)
-        for sel, _ in s.received.values():
+        for sel, _ in received.values():
             cover[sel] += 1
         owner = np.full(k, world, dtype=np.int64)
-        for rank, (sel, _) in s.received.items():
+        for rank, (sel, _) in received.items():
             owner[sel[cover[sel] == 1]] = rank
         if k and lay.tail_length != lay.block_size and int(cur[-1]) == lay.num_blocks - 1:
             owner[-1] = world  # the short last block stays last, among the shared
@@ -799,15 +802,19 @@ class Engine:
         return out
 
     def _complete_round(self, op: _Op, s: _Stream) -> list[Outgoing]:
-        out = self._sum_round(op, s)
+        out = self._sum_round(op, s.received, s.cur)
         s.round += 1
         return self._advance(op, s, out)
 
-    def _sum_round(self, op: _Op, s: _Stream) -> np.ndarray:
-        """The payload of the sums of the blocks ``s.cur`` from the ranks' ``s.received``."""
+    def _sum_round(self, op: _Op, received: dict[int, tuple[np.ndarray, np.ndarray]], ids: np.ndarray) -> np.ndarray:
+        """The payload of the sums of the blocks ``ids``.
+
+        Args:
+            received: per rank, the positions (in ``ids``) of the blocks it sent and their payload.
+            ids: the blocks summed, in the order of the sums.
+        """
         layout = op.layout
         b = layout.block_size
-        ids = s.cur
         k = len(ids)
         n_out = layout.payload_elements(ids)
         # Without the short last block, a rank that sent every instructed block (every
@@ -820,8 +827,8 @@ class Engine:
         # in one pass into a new array (no zeroing, no copy of the first).
         first: np.ndarray | None = None
         # A fixed rank order makes the sums identical from run to run and on every worker.
-        for rank in sorted(s.received):
-            sel, payload = s.received[rank]
+        for rank in sorted(received):
+            sel, payload = received[rank]
             # A weighted op sums weight * blocks (a weight of 1 is skipped: plain sums stay bit-identical).
             w = 1.0 if op.weights is None else float(op.weights[rank])
             if aligned and len(sel) == k:
@@ -838,7 +845,7 @@ class Engine:
                 if first is not None:
                     acc += first
             # Row j of the sums is active column j: a rank's blocks go to the rows it was asked for.
-            for sl, view in blocks.split_payload(payload, s.cur[sel], layout):
+            for sl, view in blocks.split_payload(payload, ids[sel], layout):
                 blocks.add_rows(acc, sel[sl], _accumulable(view, op.dtype, w))
         if acc is None:
             # One whole payload is its own sum, but it is copied: from an inproc peer (a

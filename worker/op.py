@@ -204,7 +204,6 @@ class WorkerOp:
                 own = float(np.count_nonzero(mask)) / len(mask) if len(mask) else 0.0
                 written = pages_written(own, world_size, layout.block_size * dtype.itemsize)
                 self.out = lazy_zeros(layout.length, dtype.storage, written)
-        self._table: np.ndarray | None
         #: One row of blocks (a rows op lays one row per column): no column has a block
         #: after its first, so the START carries the blocks too and the op takes one round
         #: trip (an eager op; see omnireduce.protocol).
@@ -212,22 +211,22 @@ class WorkerOp:
         self._ids: np.ndarray | None = None
         # An eager op's START payload (its blocks in order), until the RESULT.
         self._sent: np.ndarray | None = None
+        # Not eager: the next-block table, and per stream this worker's columns with a block
+        # still to send (an instruction must name every one of them, else it skipped one).
+        self._table: np.ndarray | None = None
+        self._live: list[int] = []
         if self.eager:
             # No table is built; this costs what the nonzero blocks do.
             ids = known if known is not None else np.flatnonzero(mask)
             self._ids = ids
-            self._table = None
             # Block c is column c's only block: per stream, this worker's blocks are a run of ids.
             starts = [layout.stream_columns(k).start for k in range(layout.num_streams)]
             self._bounds = np.searchsorted(ids, [*starts, layout.num_columns])
-            self._live = np.diff(self._bounds).tolist()
         else:
             if mask is None:
                 mask = data.mask
             self._table = blocks.next_table(mask, layout)
             self._mynext = self._table[0].copy()
-            # Per stream, this worker's columns with a nonzero block still to send: an
-            # instruction must name every one of them (else it skipped one of its blocks).
             live = self._mynext != INF
             self._live = [int(np.count_nonzero(live[layout.stream_columns(k)])) for k in range(layout.num_streams)]
         # Per stream, the last instruction: its finite pointers, as they came.
@@ -259,13 +258,14 @@ class WorkerOp:
             self.layout.block_size, self.layout.message_blocks, self.layout.streams,
             self.weight, self.compute, self.eager or None,
         )
-        if self._ids is None:
+        if not self.eager:
             frames = encode(header, compact_pointers(self._mynext))
             self._count_sent(frames, 0)
             return frames
         # In a one-row layout a block is its column's pointer: the pointers are the block ids.
         # The payload is kept: the RESULT leaves out the sums that are this rank's own blocks.
         self._sent = self._payload(self._ids)
+        assert self._ids is not None
         frames = encode(header, self._ids, self._sent)
         self._count_sent(frames, len(self._ids))
         return frames
@@ -367,8 +367,9 @@ class WorkerOp:
                                        self.layout.num_columns, self.layout.num_blocks)
         except ProtocolError as e:
             raise ProtocolError(f"instruction for stream {s}: {e}") from None
-        if self._ids is not None:
-            # Eager: the instruction is the union of the ranks' blocks, so it holds all of ours.
+        if self.eager:
+            assert self._ids is not None
+            # The instruction is the union of the ranks' blocks, so it holds all of ours.
             mine = self._ids[self._bounds[s] : self._bounds[s + 1]]
             pos = np.searchsorted(cur, mine)
             skipped = len(mine) > 0 and (int(pos[-1]) >= len(cur) or not np.array_equal(cur[pos], mine))
@@ -379,30 +380,22 @@ class WorkerOp:
             raise ProtocolError(f"instruction for stream {s} skips a nonzero block of rank {self.rank}")
         if self.eager:
             self._apply_eager(s, cur, data)
-            self._cur[s] = cur
-            self._rounds[s] += 1
-            self.stats.rounds = max(self.stats.rounds, self._rounds[s])
-            self._left -= 1
-            return None
-        # The payload holds the sums of the previous instruction's blocks.
-        ids = self._cur[s]
-        payload = np.frombuffer(buffer_of(data[1]), dtype=self.dtype.storage)
-        if ids is not None:
-            if len(payload) != self.layout.payload_elements(ids):
-                raise ProtocolError(
-                    f"result for stream {s} has {len(payload)} elements, expected {self.layout.payload_elements(ids)}"
-                )
-            if self._data is not None:
-                self._data.scatter(ids, payload, self.layout)
-            else:
-                blocks.scatter(self.out, ids, payload, self.layout)
-            self.stats.blocks_received += len(ids)
-        elif len(payload):
-            raise ProtocolError("round 0 result carries data")
+        else:
+            # The payload holds the sums of the previous instruction's blocks.
+            ids = self._cur[s]
+            payload = np.frombuffer(buffer_of(data[1]), dtype=self.dtype.storage)
+            if ids is not None:
+                if len(payload) != self.layout.payload_elements(ids):
+                    raise ProtocolError(f"result for stream {s} has {len(payload)} elements, expected "
+                                        f"{self.layout.payload_elements(ids)}")
+                self._scatter(ids, payload)
+                self.stats.blocks_received += len(ids)
+            elif len(payload):
+                raise ProtocolError("round 0 result carries data")
         self._cur[s] = cur
         self._rounds[s] += 1
         self.stats.rounds = max(self.stats.rounds, self._rounds[s])
-        if len(cur) == 0:
+        if self.eager or len(cur) == 0:
             self._left -= 1
             return None
         sel = np.flatnonzero(mine == cur)
@@ -410,10 +403,8 @@ class WorkerOp:
             return None
         ids = cur[sel]
         abs_cols = cur_cols[sel]
-        if self._table is None:
-            after = np.full(len(ids), INF, dtype=np.int64)
-        else:
-            after = self._table[ids // self.layout.num_columns + 1, abs_cols]
+        assert self._table is not None
+        after = self._table[ids // self.layout.num_columns + 1, abs_cols]
         self._mynext[abs_cols] = after
         self._live[s] -= int(np.count_nonzero(after == INF))
         frames = encode(Blocks(self.job, self.rank, self.op, s, msg.round), after, self._payload(ids))

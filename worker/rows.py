@@ -246,8 +246,8 @@ class RowsOpData:
             for i, v in parts:
                 values[np.searchsorted(ids, i)] = v
         else:
-            # Each message's rows come in increasing order and the messages cover disjoint
-            # ranges in stream order: joined as they came, in one copy.
+            # Each message's rows come in increasing order and the messages, as they came,
+            # cover increasing disjoint ranges: joined in one copy.
             values = np.concatenate([v for _, v in parts])
         return SparseRows(ids, values.reshape(len(ids), *width), self.x.num_rows, self.x.shape, self.dtype)
 

@@ -126,8 +126,6 @@ class _Op:
     compute: np.ndarray | None = None
     # Columns whose table cells (world x 9 bytes each) are held against the caps.
     reserved_columns: int = 0
-    # An eager op: each rank's payload of the blocks at its START pointers, until all have joined.
-    payloads: list[np.ndarray | None] | None = None
 
 
 def _union_sorted(runs: list[np.ndarray]) -> np.ndarray:
@@ -147,6 +145,30 @@ def _union_sorted(runs: list[np.ndarray]) -> np.ndarray:
     keep[0] = True
     np.not_equal(u[1:], u[:-1], out=keep[1:])
     return u[keep]
+
+
+def _check_start_shape(layout: Layout, msg: Start, body: list[Any]) -> None:
+    """Refuses a START whose frames cannot be what its layout allows (before any is read)."""
+    if msg.eager:
+        if layout.num_blocks > layout.num_columns:
+            # Only where a column holds one block is a rank's first block per column all it sends.
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager START for a layout of "
+                                     f"{layout.num_blocks} blocks in {layout.num_columns} columns (more than one row)",
+                                     [msg.rank])
+        if msg.stream is None or msg.stream >= layout.num_streams:
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager START of stream "
+                                     f"{msg.stream}, not one of the op's {layout.num_streams}", [msg.rank])
+        span = layout.stream_columns(msg.stream)
+        columns = span.stop - span.start
+    else:
+        if msg.stream is not None:
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent a START of one stream "
+                                     f"({msg.stream}) for an op that is not eager", [msg.rank])
+        columns = layout.num_columns
+    if len(body) != 1 + bool(msg.eager) or buffer_of(body[0]).nbytes > 8 * columns:
+        blocks_too = " and their blocks" if msg.eager else ""
+        raise Refused.op_failure(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry at most "
+                                 f"{columns} column pointers{blocks_too}", [msg.rank])
 
 
 def _accumulable(vals: np.ndarray, dtype: DType, weight: float) -> np.ndarray:
@@ -474,26 +496,19 @@ class Engine:
             raise Refused.op_failure(ErrorCode.LIMIT, f"messages of this op would carry up to {message} bytes, above "
                                      f"the limit of {lim.max_message_bytes}; use smaller blocks or fewer blocks per "
                                      "message")
-        # Checked before anything is allocated for the op.
-        if len(body) != 1 + bool(msg.eager) or buffer_of(body[0]).nbytes > 8 * layout.num_columns:
-            blocks_too = " and their blocks" if msg.eager else ""
-            raise Refused.op_failure(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry at most "
-                                     f"{layout.num_columns} column pointers{blocks_too}")
-        if msg.eager and layout.num_blocks > layout.num_columns:
-            # Only where a column holds one block is a rank's first block per column all it sends.
-            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager START for a layout of "
-                                     f"{layout.num_blocks} blocks in {layout.num_columns} columns (more than one row)",
-                                     [msg.rank])
+        _check_start_shape(layout, msg, body)  # before anything is allocated for the op
         op = _Op(
             job=msg.job, op=msg.op, world_size=msg.world_size, layout=layout, dtype=dtype,
             params=_params(msg), started=self._clock(), peers=[None] * msg.world_size,
             starts=[None] * msg.world_size, streams=[], streams_left=layout.num_streams, generation=j.generation,
-            payloads=[None] * msg.world_size if msg.eager else None,
         )
         self._hold(op, None, layout.num_streams * _STREAM_OVERHEAD + _OP_OVERHEAD)
         j.ops.add(msg.op)
         self._ops[(msg.job, msg.op)] = op
         op.streams = [_Stream(s, layout.stream_columns(s)) for s in range(layout.num_streams)]
+        if msg.eager:
+            for s in op.streams:
+                s.expected = set(range(op.world_size))
         self.counters.ops_started += 1
         return op
 
@@ -520,12 +535,11 @@ class Engine:
                 f"workers disagree on the op: {diff} (ranks {_ranks_text(groups[0])} vs {_ranks_text(groups[1])})",
                 sorted({*joined, msg.rank}),
             )
+        _check_start_shape(op.layout, msg, body)
+        if msg.eager:
+            return self._on_eager_start(peer, j, op, msg, body)
         if op.peers[msg.rank] is not None:
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} joined the op twice", [msg.rank])
-        if len(body) != 1 + bool(msg.eager):
-            raise Refused.op_failure(
-                ErrorCode.PROTOCOL, f"START from rank {msg.rank} has {len(body)} frames, expected {1 + bool(msg.eager)}"
-            )
         lay = op.layout
         try:
             first = index_array(body[0])
@@ -543,31 +557,12 @@ class Engine:
         if grow > 0:
             self._hold(op, None, grow * 9 * op.world_size)
             op.reserved_columns = len(first)
-        if op.payloads is not None:
-            buf = buffer_of(body[1])
-            want = lay.payload_elements(first) * op.dtype.itemsize
-            if buf.nbytes != want:
-                raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager payload of {buf.nbytes} "
-                                         f"bytes, expected {want}", [msg.rank])
-            # Held by its frame until the op completes.
-            self._hold(op, None, buf.nbytes)
-            op.payloads[msg.rank] = np.frombuffer(buf, dtype=op.dtype.storage)
-            self.counters.blocks_in += len(first)
         op.starts[msg.rank] = (first, cols)
         op.peers[msg.rank] = peer
-        if msg.weight is not None:
-            if op.weights is None:
-                op.weights = np.zeros(op.world_size)
-            op.weights[msg.rank] = msg.weight
-        if msg.compute is not None:
-            if op.compute is None:
-                op.compute = np.full(op.world_size, np.nan)
-            op.compute[msg.rank] = msg.compute
+        self._note_weight(op, msg)
         if any(p is None for p in op.peers):
             return []
         batches = self._balance(j, op)
-        if op.payloads is not None:
-            return self._finish_eager(op, batches)
         self._build_tables(op)
         out: list[Outgoing] = []
         for s in op.streams:
@@ -576,24 +571,27 @@ class Engine:
         return out
 
     @staticmethod
-    def _take_starts(op: _Op) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray, list[np.ndarray]]:
-        """Takes the ranks' STARTs, once every rank has joined, and cuts them by stream.
+    def _note_weight(op: _Op, msg: Start) -> None:
+        if msg.weight is not None:
+            if op.weights is None:
+                op.weights = np.zeros(op.world_size)
+            op.weights[msg.rank] = msg.weight
+        if msg.compute is not None:
+            if op.compute is None:
+                op.compute = np.full(op.world_size, np.nan)
+            op.compute[msg.rank] = msg.compute
 
-        Returns:
-            Every rank's (pointers, columns), in rank order; the union of their columns;
-            where each stream's run of the union starts (streams + 1 bounds); and, per
-            rank, where each stream's run of its pointers starts. Pointers come in
-            column order, and every stream is a contiguous run of columns.
+    def _build_tables(self, op: _Op) -> None:
+        """Every stream's table of next pointers over its active columns, from the STARTs.
+
+        Pointers come in column order, and every stream is a contiguous run of columns.
         """
         starts = [p for p in op.starts if p is not None]
         op.starts = [None] * op.world_size
         union = _union_sorted([c for _, c in starts])
         spans = [s.span.start for s in op.streams] + [op.layout.num_columns]
-        return starts, union, np.searchsorted(union, spans), [np.searchsorted(c, spans) for _, c in starts]
-
-    def _build_tables(self, op: _Op) -> None:
-        """Every stream's table of next pointers over its active columns, from the STARTs."""
-        starts, union, lo, bounds = self._take_starts(op)
+        lo = np.searchsorted(union, spans)
+        bounds = [np.searchsorted(c, spans) for _, c in starts]
         if len(union) > op.reserved_columns:
             self._hold(op, None, (len(union) - op.reserved_columns) * 9 * op.world_size)
             op.reserved_columns = len(union)
@@ -605,51 +603,81 @@ class Engine:
                 if a < b:
                     s.nextp[rank, np.searchsorted(s.cols, c[a:b])] = ptrs[a:b]
 
-    def _finish_eager(self, op: _Op, batches: list[float] | None) -> list[Outgoing]:
-        """Sums an eager op's blocks, which came with the STARTs, and ends every stream with one RESULT.
+    def _on_eager_start(self, peer: bytes, j: Job, op: _Op, msg: Start, body: list[Any]) -> list[Outgoing]:
+        """One stream's START of an eager op: the rank's pointers in that stream and the blocks at them.
+
+        A rank sends one per stream (messages stay within a stream's columns, and the
+        aggregator sums a stream as soon as every rank's START of it is in, while the
+        next streams are still arriving). The first one joins the rank to the op.
+        """
+        lay = op.layout
+        rank = msg.rank
+        assert msg.stream is not None  # _check_start_shape
+        s = op.streams[msg.stream]
+        if op.peers[rank] is not None and op.peers[rank] != peer:
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent STARTs of the op from two connections",
+                                     [rank])
+        if rank in s.received:
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent stream {s.index}'s START twice", [rank])
+        try:
+            ptrs = index_array(body[0])
+            pointer_columns(ptrs, s.span.start, s.span.stop - s.span.start, lay.num_columns, lay.num_blocks)
+        except ProtocolError as e:
+            raise Refused.op_failure(
+                ErrorCode.PROTOCOL, f"rank {rank} sent block pointers outside stream {s.index}'s columns: {e}", [rank]
+            ) from None
+        buf = buffer_of(body[1])
+        want = lay.payload_elements(ptrs) * op.dtype.itemsize
+        if buf.nbytes != want:
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent an eager payload of {buf.nbytes} "
+                                     f"bytes, expected {want}", [rank])
+        # The frames stay referenced until the stream is summed.
+        self._hold(op, s, buf.nbytes + ptrs.nbytes)
+        s.received[rank] = (ptrs, np.frombuffer(buf, dtype=op.dtype.storage))
+        self.counters.blocks_in += len(ptrs)
+        op.peers[rank] = peer
+        self._note_weight(op, msg)
+        if len(s.received) < op.world_size:
+            return []
+        # Every rank has sent stream 0's START, so every weight and compute time is in.
+        return self._finish_eager(op, s, self._balance(j, op) if s.index == 0 else None)
+
+    def _finish_eager(self, op: _Op, s: _Stream, batches: list[float] | None) -> list[Outgoing]:
+        """Sums an eager stream's blocks, which came with the STARTs, and ends it with one RESULT.
 
         In a one-row layout block ``c`` is column ``c``'s only block: round 0's
         instruction is the union of the ranks' pointers, and a rank's payload holds
         exactly its blocks of that instruction, in column order.
         """
-        assert op.payloads is not None
-        lay = op.layout
-        bs = lay.block_size
-        payloads = [p for p in op.payloads if p is not None]  # every rank's: all have joined
-        op.payloads = None
-        starts, union, lo, bounds = self._take_starts(op)
+        starts, s.received = s.received, {}
+        cur = s.cur = _union_sorted([starts[r][0] for r in range(op.world_size)])
+        received = {r: (np.searchsorted(cur, ptrs), p) for r, (ptrs, p) in starts.items() if len(ptrs)}
+        order, groups = self._eager_order(op, received, cur)
+        ids = cur
+        if order is not None:
+            # Sum straight into the grouped order (each rank's payload rows to their new rows).
+            inv = np.empty(len(order), dtype=np.int64)
+            inv[order] = np.arange(len(order))
+            received = {r: (inv[sel], p) for r, (sel, p) in received.items()}
+            ids = cur[order]
+        summed = self._sum_round(op, received, ids)
+        bs = op.layout.block_size
+        header = encode(Result(op.job, op.op, s.index, 0, batches))[0]
+        shared = [header, cur, _EMPTY_INDEX if order is None else order, groups]
         out: list[Outgoing] = []
-        for k, s in enumerate(op.streams):
-            cur = s.cur = union[lo[k] : lo[k + 1]]
-            received: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-            for rank, (start, _) in enumerate(starts):
-                a, b = bounds[rank][k], bounds[rank][k + 1]
-                if a < b:
-                    # Only the tensor's short last block, in the last column, is stored short.
-                    payload = payloads[rank][a * bs : a * bs + lay.payload_elements(start[a:b])]
-                    received[rank] = (np.searchsorted(cur, start[a:b]), payload)
-            order, groups = self._eager_order(op, received, cur)
-            ids = cur
-            if order is not None:
-                # Sum straight into the grouped order (each rank's payload rows to their new rows).
-                inv = np.empty(len(order), dtype=np.int64)
-                inv[order] = np.arange(len(order))
-                received = {r: (inv[sel], p) for r, (sel, p) in received.items()}
-                ids = cur[order]
-            summed = self._sum_round(op, received, ids)
-            header = encode(Result(op.job, op.op, s.index, 0, batches if k == 0 else None))[0]
-            shared = [header, cur, _EMPTY_INDEX if order is None else order, groups]
-            for rank, peer in enumerate(op.peers):
-                if peer is not None:
-                    # Every block before the shared group is whole: positions times the block size.
-                    lo_r, hi_r = int(groups[rank]), int(groups[rank + 1])
-                    out.append((peer, [*shared, summed[: lo_r * bs], summed[hi_r * bs :]]))
-                    self.counters.blocks_out += len(cur) - (hi_r - lo_r)
-            s.round = 1
-            s.done = True
-            self.counters.rounds += 1
-        op.streams_left = 0
-        self._retire(op)
+        for rank, peer in enumerate(op.peers):
+            if peer is not None:
+                # Every block before the shared group is whole: positions times the block size.
+                lo_r, hi_r = int(groups[rank]), int(groups[rank + 1])
+                out.append((peer, [*shared, summed[: lo_r * bs], summed[hi_r * bs :]]))
+                self.counters.blocks_out += len(cur) - (hi_r - lo_r)
+        s.round = 1
+        s.done = True
+        self._unhold(op, s)
+        self.counters.rounds += 1
+        op.streams_left -= 1
+        if op.streams_left == 0:
+            self._retire(op)
         return out
 
     def _eager_order(

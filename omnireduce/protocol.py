@@ -21,17 +21,18 @@ number) and stream::
               <-  ERROR   (whenever an op or job fails; names job, op, ranks)
 
 An op whose layout has one row of blocks (``num_blocks <= num_columns``: every rows
-op, and any tensor of at most a stream's worth of blocks) may be *eager*: every
-column then holds at most one block, so round 0's instruction is exactly each
-worker's own pointers and round 1 would move all of its blocks. An eager START
-carries those blocks, and the aggregator answers with a single RESULT of round 0
-that holds the instruction (the union of the workers' blocks), their sums, and
-ends the stream: one round trip instead of two. A block that only one worker sent
+op, and any tensor of at most ``streams x message_blocks`` blocks) may be *eager*:
+every column then holds at most one block, so round 0's instruction is exactly each
+worker's own pointers and round 1 would move all of its blocks. A worker then sends
+one START per stream, carrying that stream's pointers and blocks, and the aggregator
+answers each stream, once every worker's START of it is in, with a single RESULT of
+round 0 that holds the instruction (the union of the workers' blocks), their sums,
+and ends the stream: one round trip instead of two. A block that only one worker sent
 sums to itself, so that worker is not sent it back (an unweighted op; never the
 short last block): the sums are ordered as worker 0's own blocks, worker 1's, ...,
 then the blocks several workers sent, and each worker gets all but its own group::
 
-      START   (pointers + the blocks at them, eager)  ->
+      START   (one per stream: its pointers + the blocks at them, eager)  ->
               <-  RESULT(round 0: the union as instruction, the order of the sums,
                          the groups' starts, the sums before and after this
                          worker's own group; stream done)
@@ -86,7 +87,8 @@ assert sys.byteorder == "little", "omnireduce's wire format assumes a little-end
 #: 3: weighted ops and compute-time reports in START, batch recommendations in RESULT;
 #: START and RESULT carry only the finite column pointers.
 #: 4: eager STARTs of one-row layouts (blocks with the pointers; one round trip).
-PROTOCOL_VERSION = 4
+#: 5: an eager op sends one START per stream (``Start.stream``), each with that stream's blocks.
+PROTOCOL_VERSION = 5
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
 MAX_HEADER_BYTES = 4096
@@ -155,11 +157,15 @@ class Start:
 
     ``eager`` True (all workers of an op must agree; only for a layout of one row of
     blocks) says the START also carries the blocks at its pointers: the op's only
-    data round, answered by one RESULT (see the module's docstring). None (unset,
-    as every optional field) or False: it does not.
+    data round, answered by one RESULT per stream (see the module's docstring). A
+    worker then sends one START per stream, ``stream`` naming it, each with that
+    stream's pointers and blocks, so that no message is larger than a stream's and
+    the aggregator sums a stream while the next ones arrive. None (unset, as every
+    optional field) or False: it does not, and ``stream`` is None.
 
-    Frames: the first nonzero block of every column that has one (int64, in column
-    order; see :func:`compact_pointers`); if eager, then the payload of those blocks.
+    Frames: the first nonzero block of every column (of the stream, if eager) that
+    has one (int64, in column order; see :func:`compact_pointers`); if eager, then
+    the payload of those blocks.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.START
@@ -175,6 +181,7 @@ class Start:
     weight: float | None = None
     compute: float | None = None
     eager: bool | None = None
+    stream: int | None = None
 
 
 @dataclass(slots=True)
@@ -419,7 +426,7 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
     for name in names:
         if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager"):
             continue
-        _check_int(name, header[name], optional=(cls is Error and name == "op"))
+        _check_int(name, header[name], optional=(cls is Error and name == "op") or (cls is Start and name == "stream"))
     if cls is Hello:
         _check_str("token", header["token"], MAX_NAME, empty=True)
     if cls is Start and header["dtype"] not in _DTYPES:

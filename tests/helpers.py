@@ -174,11 +174,11 @@ def start_frames(
     streams: int = 2,
     dtype: DType = DType.FLOAT32,
 ) -> list[bytes]:
-    """A worker's encoded START of an op of ``length`` ones (every block nonzero)."""
+    """A worker's encoded (first) START of an op of ``length`` ones (every block nonzero)."""
     from worker.op import WorkerOp
 
     layout = Layout(length, block_size, message_blocks, streams)
-    return wire(WorkerOp(job, rank, world, op, np.ones(length, dtype.storage), dtype, layout).start())
+    return wire(WorkerOp(job, rank, world, op, np.ones(length, dtype.storage), dtype, layout).start()[0])
 
 
 def _errors(out: list[tuple[bytes, list[Any]]]) -> list[tuple[bytes, Error]]:
@@ -248,7 +248,9 @@ def run_allreduce(
         )
         for r, x in enumerate(inputs)
     ]
-    to_agg: list[tuple[bytes, list[bytes]]] = [(peer_of(r), wire(w.start())) for r, w in enumerate(ops)]
+    to_agg: list[tuple[bytes, list[bytes]]] = [
+        (peer_of(r), wire(frames)) for r, w in enumerate(ops) for frames in w.start()
+    ]
     to_workers: list[tuple[int, list[bytes]]] = []
     by_peer = {peer_of(r): r for r in range(world)}
     steps = 0

@@ -47,8 +47,9 @@ def test_weighted_and_plain_workers_mismatch() -> None:
     x = np.ones(64, np.float32)
     engine = Engine()
     layout = Layout(64, 8, 4, 2)
-    assert engine.handle(peer_of(0), wire(WorkerOp("j", 0, 2, 0, x, DType.FLOAT32, layout, weight=2.0).start())) == []
-    out = engine.handle(peer_of(1), wire(WorkerOp("j", 1, 2, 0, x, DType.FLOAT32, layout).start()))
+    weighted = WorkerOp("j", 0, 2, 0, x, DType.FLOAT32, layout, weight=2.0).start()[0]
+    assert engine.handle(peer_of(0), wire(weighted)) == []
+    out = engine.handle(peer_of(1), wire(WorkerOp("j", 1, 2, 0, x, DType.FLOAT32, layout).start()[0]))
     assert {peer for peer, _ in out} == {peer_of(0), peer_of(1)}
     for _, frames in out:
         msg, _ = decode(wire(frames))

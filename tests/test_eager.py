@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
 
+import worker
+from aggregator import Aggregator
 from aggregator.engine import Engine
 from aggregator.limits import Limits
 from omnireduce.dtypes import DType
@@ -38,8 +41,8 @@ def test_a_one_row_op_is_summed_in_one_round_trip(seed: int) -> None:
         np.testing.assert_array_equal(out, np.sum(xs, axis=0))
     for w in ops:
         assert w.eager
-        # START (with the blocks) is the only message; one RESULT per stream comes back.
-        assert w.stats.messages_sent == 1 and w.stats.messages_received == 2 and w.stats.rounds == 1
+        # One START per stream (with its blocks) is all a rank sends; one RESULT per stream comes back.
+        assert w.stats.messages_sent == 2 and w.stats.messages_received == 2 and w.stats.rounds == 1
         assert w.stats.blocks_sent == np.count_nonzero(np.add.reduceat(xs[w.rank] != 0, np.arange(0, 997, 8)))
     assert engine.counters.rounds == 2 and engine.ops_completed == 1 and engine.held_bytes == 0
 
@@ -72,19 +75,19 @@ def test_eager_op_where_no_rank_has_a_block() -> None:
 
 
 def _eager_start(rank: int, world: int, x: np.ndarray, layout: Layout) -> list[bytes]:
-    return wire(WorkerOp("j", rank, world, 0, x, DType.FLOAT32, layout).start())
+    return wire(WorkerOp("j", rank, world, 0, x, DType.FLOAT32, layout).start()[0])
 
 
 def test_the_engine_refuses_an_eager_start_of_two_rows() -> None:
     # 8 blocks of 4 in 2 columns: a column holds two blocks.
-    bad = encode(Start("j", 0, 2, 0, 32, int(DType.FLOAT32), 4, 2, 1, eager=True),
+    bad = encode(Start("j", 0, 2, 0, 32, int(DType.FLOAT32), 4, 2, 1, eager=True, stream=0),
                  np.array([0, 1], np.int64), np.zeros(8, np.float32))
     errs = errors_by_peer(Engine().handle(peer_of(0), wire(bad)))
     assert errs[peer_of(0)].code == ErrorCode.PROTOCOL and "more than one row" in errs[peer_of(0)].message
 
 
 def test_the_engine_refuses_an_eager_payload_of_the_wrong_size() -> None:
-    bad = encode(Start("j", 0, 2, 0, 32, int(DType.FLOAT32), 4, 8, 1, eager=True),
+    bad = encode(Start("j", 0, 2, 0, 32, int(DType.FLOAT32), 4, 8, 1, eager=True, stream=0),
                  np.array([0, 5], np.int64), np.zeros(7, np.float32))
     errs = errors_by_peer(Engine().handle(peer_of(0), wire(bad)))
     assert errs[peer_of(0)].code == ErrorCode.PROTOCOL and "eager payload of 28 bytes, expected 32" in (
@@ -255,3 +258,93 @@ def test_random_eager_ops_equal_the_dense_sum(seed: int) -> None:
     for out in outs:
         np.testing.assert_allclose(out, want, rtol=1e-6, atol=0)
     assert engine.held_bytes == 0 and engine.ops_completed == 1
+
+
+def _stream_starts(rank: int, x: np.ndarray, layout: Layout, world: int = 2) -> list[list[bytes]]:
+    return [wire(f) for f in WorkerOp("j", rank, world, 0, x, DType.FLOAT32, layout).start()]
+
+
+def test_an_eager_op_sends_one_start_per_stream_within_a_message() -> None:
+    # 40 blocks of 4 in 3 streams of at most 16 columns: no START carries more than 16 blocks.
+    layout = Layout(160, 4, 16, 3)
+    messages = _stream_starts(0, np.ones(160, np.float32), layout)
+    assert len(messages) == layout.num_streams == 3
+    for k, frames in enumerate(messages):
+        msg, body = decode(frames)
+        span = layout.stream_columns(k)
+        assert isinstance(msg, Start) and msg.eager and msg.stream == k
+        np.testing.assert_array_equal(np.frombuffer(body[0], np.int64), np.arange(span.start, span.stop))
+        assert len(body[1]) == (span.stop - span.start) * 4 * 4 <= 16 * 4 * 4
+
+
+def test_the_engine_sums_a_stream_as_soon_as_every_rank_sent_it() -> None:
+    engine = Engine()
+    layout = Layout(160, 4, 16, 3)
+    xs = [np.arange(160, dtype=np.float32), np.ones(160, np.float32)]
+    starts = [_stream_starts(r, x, layout) for r, x in enumerate(xs)]
+    assert engine.handle(peer_of(0), starts[0][1]) == []
+    assert engine.handle(peer_of(0), starts[0][0]) == []
+    out = engine.handle(peer_of(1), starts[1][1])  # stream 1 complete; streams 0 and 2 wait
+    assert sorted(p for p, _ in out) == [peer_of(0), peer_of(1)]
+    for _, frames in out:
+        msg, body = decode(wire(frames))
+        assert isinstance(msg, Result) and msg.stream == 1 and msg.round == 0
+        np.testing.assert_array_equal(np.frombuffer(body[-1], np.float32), (xs[0] + xs[1])[13 * 4 : 26 * 4])
+    assert engine.active_ops == 1 and engine.held_bytes > 0
+    assert len(engine.handle(peer_of(1), starts[1][0])) == 2
+    assert engine.handle(peer_of(1), starts[1][2]) == []
+    assert len(engine.handle(peer_of(0), starts[0][2])) == 2
+    assert engine.active_ops == 0 and engine.ops_completed == 1 and engine.held_bytes == 0
+
+
+def _eager_header(stream: int | None, eager: bool | None = True) -> Start:
+    return Start("j", 0, 2, 0, 160, int(DType.FLOAT32), 4, 16, 3, eager=eager, stream=stream)
+
+
+@pytest.mark.parametrize("header, frames, match", [
+    (_eager_header(None), [np.zeros(0, np.int64), np.zeros(0, np.float32)], "eager START of stream None"),
+    (_eager_header(3), [np.zeros(0, np.int64), np.zeros(0, np.float32)], "eager START of stream 3, not one of"),
+    (Start("j", 0, 2, 0, 640, int(DType.FLOAT32), 4, 16, 3, stream=0), [np.zeros(0, np.int64)],
+     "START of one stream \\(0\\) for an op that is not eager"),
+    # Stream 0 of 3 holds columns 0-12.
+    (_eager_header(0), [np.arange(12, 14, dtype=np.int64), np.zeros(8, np.float32)],
+     "outside stream 0's columns"),
+    (_eager_header(0), [np.arange(13, dtype=np.int64)], "does not carry at most 13 column pointers"),
+    (_eager_header(0), [np.arange(14, dtype=np.int64), np.zeros(56, np.float32)], "at most 13 column pointers"),
+])
+def test_the_engine_refuses_an_eager_start_that_is_not_one_streams(header: Start, frames: list, match: str) -> None:
+    errs = errors_by_peer(Engine().handle(peer_of(0), wire(encode(header, *frames))))
+    assert errs[peer_of(0)].code == ErrorCode.PROTOCOL
+    assert re.search(match, errs[peer_of(0)].message), errs[peer_of(0)].message
+
+
+def test_a_streams_start_twice_or_from_another_connection_fails_the_op() -> None:
+    layout = Layout(160, 4, 16, 3)
+    starts = _stream_starts(0, np.ones(160, np.float32), layout)
+    engine = Engine()
+    assert engine.handle(peer_of(0), starts[0]) == []
+    errs = errors_by_peer(engine.handle(peer_of(0), starts[0]))
+    assert "sent stream 0's START twice" in errs[peer_of(0)].message and engine.held_bytes == 0
+    engine = Engine()
+    assert engine.handle(peer_of(0), starts[0]) == []
+    errs = errors_by_peer(engine.handle(b"intruder", starts[1]))
+    assert "from two connections" in errs[peer_of(0)].message and engine.held_bytes == 0
+
+
+def test_an_eager_op_larger_than_a_frame_limit_is_sent_stream_by_stream() -> None:
+    # 100 kB per rank in 4 streams of 25 kB: the aggregator takes frames of at most 32 kB.
+    # Before protocol 5 the whole payload went in one START, and the aggregator dropped the connection.
+    agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=20.0, limits=Limits(max_message_bytes=32 << 10)).start()
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(25_600).astype(np.float32) for _ in range(2)]
+    ws = [worker.connect(agg.address, rank=r, world_size=2, job="big", block_size=64, message_blocks=100,
+                         streams=4, timeout=20) for r in range(2)]
+    try:
+        futs = [w.allreduce_async(x) for w, x in zip(ws, xs, strict=True)]
+        for f in futs:
+            np.testing.assert_array_equal(f.result(timeout=30), xs[0] + xs[1])
+        assert ws[0].stats.last is not None and ws[0].stats.last.messages_sent == 4
+    finally:
+        for w in ws:
+            w.close()
+        agg.close()

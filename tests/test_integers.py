@@ -185,7 +185,7 @@ def test_engine_refuses_weighted_integer_ops() -> None:
     x = np.arange(40, dtype=np.int32)
 
     def start(rank: int, weight: float | None) -> list[bytes]:
-        return wire(WorkerOp("j", rank, 2, 0, x, DType.INT32, layout, weight=weight).start())
+        return wire(WorkerOp("j", rank, 2, 0, x, DType.INT32, layout, weight=weight).start()[0])
 
     (peer, frames), = engine.handle(peer_of(0), start(0, 2.0))
     err, _ = decode(wire(frames))

@@ -35,7 +35,7 @@ MESSAGES = [
     WEIGHTED,
     Start("j", 0, 2, 1, 33, int(DType.INT64), 8, 4, 3, weight=7, compute=0.0),  # an int weight; compute 0
     Start("j", 0, 2, 1, 33, int(DType.FLOAT64), 8, 4, 3, weight=None, compute=1.5),
-    Start("j", 0, 2, 1, 33, int(DType.FLOAT64), 8, 4, 3, weight=1.0, compute=1.5, eager=True),
+    Start("j", 0, 2, 1, 33, int(DType.FLOAT64), 8, 4, 3, weight=1.0, compute=1.5, eager=True, stream=2),
     Blocks("job-a", 2, 7, 3, 12),
     Result("j", 4, 1, 6),  # batches unset
     RECOMMENDS,

@@ -62,7 +62,7 @@ def test_engine_refuses_connections_without_the_token() -> None:
     engine = Engine()
     assert engine.handle(peer_of(0), wire(encode(Hello("t", 0, 2, 0, "s3cret")))) == []
     layout = Layout(64, 8, 4, 2)
-    start1 = WorkerOp("t", 1, 2, 0, np.ones(64, np.float32), DType.FLOAT32, layout).start()
+    start1 = WorkerOp("t", 1, 2, 0, np.ones(64, np.float32), DType.FLOAT32, layout).start()[0]
     # No HELLO (an old-style client): the job has a token, so START is refused.
     (peer, reply), = engine.handle(b"intruder", wire(start1))
     msg, _ = decode(wire(reply))
@@ -72,7 +72,7 @@ def test_engine_refuses_connections_without_the_token() -> None:
     assert decode(wire(reply))[0].code == ErrorCode.AUTH
     assert engine.job_info("t")["ranks"] == [0] and engine.job_info("t")["ops"] == []
     # A bound connection cannot speak for another rank.
-    start0 = WorkerOp("t", 1, 2, 0, np.ones(64, np.float32), DType.FLOAT32, layout).start()
+    start0 = WorkerOp("t", 1, 2, 0, np.ones(64, np.float32), DType.FLOAT32, layout).start()[0]
     (_, reply), = engine.handle(peer_of(0), wire(start0))
     assert decode(wire(reply))[0].code == ErrorCode.PROTOCOL
     assert engine.ops_failed == 0 and engine.active_ops == 0

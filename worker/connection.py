@@ -340,7 +340,7 @@ class Connection:
             now = time.monotonic()
             try:
                 state = WorkerOp.from_request(self.settings, sub)
-                frames = state.start()
+                messages = state.start()
             except OmniReduceError as e:
                 sub.future.set_exception(e)
                 continue
@@ -351,7 +351,8 @@ class Connection:
                                                  job=self.job, op=sub.op))
                 continue
             pending[sub.op] = _Pending(state, sub, now, now)
-            self._post(sub.op, frames)
+            for frames in messages:
+                self._post(sub.op, frames)
 
     def _receive(self, pending: dict[int, _Pending]) -> None:
         while True:

@@ -251,8 +251,12 @@ class WorkerOp:
     def done(self) -> bool:
         return self._left == 0
 
-    def start(self) -> list[Any]:
-        """The START message (round 0): every column's first nonzero block, and, eager, the blocks."""
+    def start(self) -> list[list[Any]]:
+        """The START messages (round 0), each a list of frames.
+
+        Not eager: one, every column's first nonzero block. Eager: one per stream,
+        its blocks (in a one-row layout a block is its column's pointer) and their payload.
+        """
         header = Start(
             self.job, self.rank, self.world_size, self.op, self.layout.length, int(self.dtype),
             self.layout.block_size, self.layout.message_blocks, self.layout.streams,
@@ -261,14 +265,21 @@ class WorkerOp:
         if not self.eager:
             frames = encode(header, compact_pointers(self._mynext))
             self._count_sent(frames, 0)
-            return frames
-        # In a one-row layout a block is its column's pointer: the pointers are the block ids.
-        # The payload is kept: the RESULT leaves out the sums that are this rank's own blocks.
-        self._sent = self._payload(self._ids)
+            return [frames]
         assert self._ids is not None
-        frames = encode(header, self._ids, self._sent)
-        self._count_sent(frames, len(self._ids))
-        return frames
+        # The payload is kept: the RESULT leaves out the sums that are this rank's own blocks.
+        self._sent = sent = self._payload(self._ids)
+        b = self.layout.block_size
+        messages = []
+        for k in range(self.layout.num_streams):
+            lo, hi = int(self._bounds[k]), int(self._bounds[k + 1])
+            ids = self._ids[lo:hi]
+            header.stream = k
+            # Only the last stream can hold the short last block.
+            frames = encode(header, ids, sent[lo * b : lo * b + self.layout.payload_elements(ids)])
+            self._count_sent(frames, hi - lo)
+            messages.append(frames)
+        return messages
 
     def _payload(self, ids: np.ndarray) -> np.ndarray:
         # A run of consecutive blocks goes out as a view of the input, without a copy:

@@ -116,8 +116,10 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 OMNIREDUCE_MASK_THREADS = "OMNIREDUCE_MASK_THREADS"
 
 DEFAULT_BLOCK_SIZE = 256
-DEFAULT_MESSAGE_BLOCKS = 4096
-DEFAULT_STREAMS = 8
+# A tensor of up to 8192 x 16 blocks (128 MB of float32) lays one block per column, so it
+# is eager (one round trip), pipelined over up to 16 streams of at most 8192 blocks each.
+DEFAULT_MESSAGE_BLOCKS = 8192
+DEFAULT_STREAMS = 16
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MODE = "sparse"
 DEFAULT_JOB = "default"

@@ -52,8 +52,8 @@ class Worker(SettingsView):
         job: the job id shared by its workers; default ``$OMNIREDUCE_JOB``, else "default".
         block_size: elements per block; default ``$OMNIREDUCE_BLOCK_SIZE``, else 256.
         message_blocks: blocks per message (columns per stream); default
-            ``$OMNIREDUCE_MESSAGE_BLOCKS``, else 4096.
-        streams: streams in parallel per op; default ``$OMNIREDUCE_STREAMS``, else 8.
+            ``$OMNIREDUCE_MESSAGE_BLOCKS``, else 8192.
+        streams: streams in parallel per op; default ``$OMNIREDUCE_STREAMS``, else 16.
         timeout: seconds an op may go without hearing from the aggregator;
             default ``$OMNIREDUCE_TIMEOUT``, else 60.
         context: ZeroMQ context; a private one by default.

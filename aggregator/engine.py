@@ -155,14 +155,14 @@ def _check_start_shape(layout: Layout, msg: Start, body: list[Any]) -> None:
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager START for a layout of "
                                      f"{layout.num_blocks} blocks in {layout.num_columns} columns (more than one row)",
                                      [msg.rank])
-        if msg.stream is None or msg.stream >= layout.num_streams:
-            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager START of stream "
-                                     f"{msg.stream}, not one of the op's {layout.num_streams}", [msg.rank])
-        span = layout.stream_columns(msg.stream)
-        columns = span.stop - span.start
+        count = msg.stream_count or 1
+        if msg.stream is None or msg.stream + count > layout.num_streams:
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager START of streams "
+                                     f"{msg.stream}+{count}, not among the op's {layout.num_streams}", [msg.rank])
+        columns = layout.stream_columns(msg.stream + count - 1).stop - layout.stream_columns(msg.stream).start
     else:
-        if msg.stream is not None:
-            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent a START of one stream "
+        if msg.stream is not None or msg.stream_count is not None:
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent a START of given streams "
                                      f"({msg.stream}) for an op that is not eager", [msg.rank])
         columns = layout.num_columns
     if len(body) != 1 + bool(msg.eager) or buffer_of(body[0]).nbytes > 8 * columns:
@@ -604,78 +604,112 @@ class Engine:
                     s.nextp[rank, np.searchsorted(s.cols, c[a:b])] = ptrs[a:b]
 
     def _on_eager_start(self, peer: bytes, j: Job, op: _Op, msg: Start, body: list[Any]) -> list[Outgoing]:
-        """One stream's START of an eager op: the rank's pointers in that stream and the blocks at them.
+        """A START of an eager op: the rank's pointers in a run of streams and the blocks at them.
 
-        A rank sends one per stream (messages stay within a stream's columns, and the
-        aggregator sums a stream as soon as every rank's START of it is in, while the
-        next streams are still arriving). The first one joins the rank to the op.
+        A rank sends its streams in as few STARTs as keep each within one message's
+        worth of blocks (a sparse tensor: one), and the aggregator sums a stream as
+        soon as every rank's START of it is in, while later streams still arrive. The
+        first START joins the rank to the op.
         """
         lay = op.layout
         rank = msg.rank
         assert msg.stream is not None  # _check_start_shape
-        s = op.streams[msg.stream]
+        first = msg.stream
+        streams = op.streams[first : first + (msg.stream_count or 1)]
         if op.peers[rank] is not None and op.peers[rank] != peer:
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent STARTs of the op from two connections",
                                      [rank])
-        if rank in s.received:
-            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent stream {s.index}'s START twice", [rank])
+        for s in streams:
+            if rank in s.received:
+                raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent stream {s.index}'s START twice",
+                                         [rank])
+        lo_col, hi_col = streams[0].span.start, streams[-1].span.stop
         try:
             ptrs = index_array(body[0])
-            pointer_columns(ptrs, s.span.start, s.span.stop - s.span.start, lay.num_columns, lay.num_blocks)
+            pointer_columns(ptrs, lo_col, hi_col - lo_col, lay.num_columns, lay.num_blocks)
         except ProtocolError as e:
             raise Refused.op_failure(
-                ErrorCode.PROTOCOL, f"rank {rank} sent block pointers outside stream {s.index}'s columns: {e}", [rank]
+                ErrorCode.PROTOCOL, f"rank {rank} sent block pointers outside the columns of streams {first}-"
+                f"{streams[-1].index}: {e}", [rank]
             ) from None
         buf = buffer_of(body[1])
         want = lay.payload_elements(ptrs) * op.dtype.itemsize
         if buf.nbytes != want:
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent an eager payload of {buf.nbytes} "
                                      f"bytes, expected {want}", [rank])
-        # The frames stay referenced until the stream is summed.
-        self._hold(op, s, buf.nbytes + ptrs.nbytes)
-        s.received[rank] = (ptrs, np.frombuffer(buf, dtype=op.dtype.storage))
+        payload = np.frombuffer(buf, dtype=op.dtype.storage)
+        # In a one-row layout a pointer is its column: each stream's run of them, by its span.
+        cuts = np.searchsorted(ptrs, [s.span.start for s in streams] + [hi_col])
+        bs = lay.block_size
+        complete: list[_Stream] = []
+        for i, s in enumerate(streams):
+            a, b = int(cuts[i]), int(cuts[i + 1])
+            mine = ptrs[a:b]
+            # Only the tensor's short last block, in the last column, is stored short.
+            part = payload[a * bs : a * bs + lay.payload_elements(mine)]
+            # The frames stay referenced until the stream is summed.
+            self._hold(op, s, part.nbytes + mine.nbytes)
+            s.received[rank] = (mine, part)
+            if len(s.received) == op.world_size:
+                complete.append(s)
         self.counters.blocks_in += len(ptrs)
         op.peers[rank] = peer
         self._note_weight(op, msg)
-        if len(s.received) < op.world_size:
+        if not complete:
             return []
         # Every rank has sent stream 0's START, so every weight and compute time is in.
-        return self._finish_eager(op, s, self._balance(j, op) if s.index == 0 else None)
+        batches = self._balance(j, op) if complete[0].index == 0 else None
+        return self._finish_eager(op, complete, batches)
 
-    def _finish_eager(self, op: _Op, s: _Stream, batches: list[float] | None) -> list[Outgoing]:
-        """Sums an eager stream's blocks, which came with the STARTs, and ends it with one RESULT.
+    def _finish_eager(self, op: _Op, complete: list[_Stream], batches: list[float] | None) -> list[Outgoing]:
+        """Sums the eager streams that every rank has sent and ends them: one RESULT per run of streams.
 
         In a one-row layout block ``c`` is column ``c``'s only block: round 0's
         instruction is the union of the ranks' pointers, and a rank's payload holds
-        exactly its blocks of that instruction, in column order.
+        exactly its blocks of that instruction, in column order. Streams completed by
+        the same START that follow each other go to every rank in one message.
         """
-        starts, s.received = s.received, {}
-        cur = s.cur = _union_sorted([starts[r][0] for r in range(op.world_size)])
-        received = {r: (np.searchsorted(cur, ptrs), p) for r, (ptrs, p) in starts.items() if len(ptrs)}
-        order, groups = self._eager_order(op, received, cur)
-        ids = cur
-        if order is not None:
-            # Sum straight into the grouped order (each rank's payload rows to their new rows).
-            inv = np.empty(len(order), dtype=np.int64)
-            inv[order] = np.arange(len(order))
-            received = {r: (inv[sel], p) for r, (sel, p) in received.items()}
-            ids = cur[order]
-        summed = self._sum_round(op, received, ids)
         bs = op.layout.block_size
-        header = encode(Result(op.job, op.op, s.index, 0, batches))[0]
-        shared = [header, cur, _EMPTY_INDEX if order is None else order, groups]
-        out: list[Outgoing] = []
-        for rank, peer in enumerate(op.peers):
-            if peer is not None:
+        # Per rank, per completed stream: the five frames of its part of the RESULT.
+        parts: list[list[list[Any]]] = [[] for _ in range(op.world_size)]
+        for s in complete:
+            starts, s.received = s.received, {}
+            cur = s.cur = _union_sorted([starts[r][0] for r in range(op.world_size)])
+            received = {r: (np.searchsorted(cur, ptrs), p) for r, (ptrs, p) in starts.items() if len(ptrs)}
+            order, groups = self._eager_order(op, received, cur)
+            ids = cur
+            if order is not None:
+                # Sum straight into the grouped order (each rank's payload rows to their new rows).
+                inv = np.empty(len(order), dtype=np.int64)
+                inv[order] = np.arange(len(order))
+                received = {r: (inv[sel], p) for r, (sel, p) in received.items()}
+                ids = cur[order]
+            summed = self._sum_round(op, received, ids)
+            shared = [cur, _EMPTY_INDEX if order is None else order, groups]
+            for rank in range(op.world_size):
                 # Every block before the shared group is whole: positions times the block size.
                 lo_r, hi_r = int(groups[rank]), int(groups[rank + 1])
-                out.append((peer, [*shared, summed[: lo_r * bs], summed[hi_r * bs :]]))
+                parts[rank].append([*shared, summed[: lo_r * bs], summed[hi_r * bs :]])
                 self.counters.blocks_out += len(cur) - (hi_r - lo_r)
-        s.round = 1
-        s.done = True
-        self._unhold(op, s)
-        self.counters.rounds += 1
-        op.streams_left -= 1
+            s.round = 1
+            s.done = True
+            self._unhold(op, s)
+            self.counters.rounds += 1
+        out: list[Outgoing] = []
+        i = 0
+        while i < len(complete):
+            # A run of consecutive streams: one message (a handful of runs per START at most).
+            j = i + 1
+            while j < len(complete) and complete[j].index == complete[j - 1].index + 1:
+                j += 1
+            first = complete[i].index
+            header = encode(Result(op.job, op.op, first, 0, batches if first == 0 else None,
+                                   j - i if j - i > 1 else None))[0]
+            for rank, peer in enumerate(op.peers):
+                if peer is not None:
+                    out.append((peer, [header, *(f for part in parts[rank][i:j] for f in part)]))
+            i = j
+        op.streams_left -= len(complete)
         if op.streams_left == 0:
             self._retire(op)
         return out

@@ -24,18 +24,20 @@ An op whose layout has one row of blocks (``num_blocks <= num_columns``: every r
 op, and any tensor of at most ``streams x message_blocks`` blocks) may be *eager*:
 every column then holds at most one block, so round 0's instruction is exactly each
 worker's own pointers and round 1 would move all of its blocks. A worker then sends
-one START per stream, carrying that stream's pointers and blocks, and the aggregator
-answers each stream, once every worker's START of it is in, with a single RESULT of
-round 0 that holds the instruction (the union of the workers' blocks), their sums,
-and ends the stream: one round trip instead of two. A block that only one worker sent
+its streams' pointers and blocks in STARTs of consecutive streams, each holding at most
+one stream's worth of blocks (a sparse tensor: one START; a dense one: one per stream),
+and the aggregator answers each stream, once every worker's START of it is in, with a
+RESULT of round 0 that holds the instruction (the union of the workers' blocks), their
+sums, and ends the stream (streams that complete together share one RESULT): one round
+trip instead of two. A block that only one worker sent
 sums to itself, so that worker is not sent it back (an unweighted op; never the
 short last block): the sums are ordered as worker 0's own blocks, worker 1's, ...,
 then the blocks several workers sent, and each worker gets all but its own group::
 
-      START   (one per stream: its pointers + the blocks at them, eager)  ->
-              <-  RESULT(round 0: the union as instruction, the order of the sums,
-                         the groups' starts, the sums before and after this
-                         worker's own group; stream done)
+      START   (a run of streams: their pointers + the blocks at them, eager)  ->
+              <-  RESULT(round 0, per stream: the union as instruction, the order
+                         of the sums, the groups' starts, the sums before and after
+                         this worker's own group; stream done)
 
 Block indices and payloads use the host byte order; all supported hosts are
 little-endian.
@@ -87,7 +89,8 @@ assert sys.byteorder == "little", "omnireduce's wire format assumes a little-end
 #: 3: weighted ops and compute-time reports in START, batch recommendations in RESULT;
 #: START and RESULT carry only the finite column pointers.
 #: 4: eager STARTs of one-row layouts (blocks with the pointers; one round trip).
-#: 5: an eager op sends one START per stream (``Start.stream``), each with that stream's blocks.
+#: 5: an eager op's STARTs carry runs of streams (``Start.stream``, ``stream_count``), each within
+#: one message's worth of blocks; RESULTs of eager streams that complete together are merged.
 PROTOCOL_VERSION = 5
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
@@ -158,12 +161,14 @@ class Start:
     ``eager`` True (all workers of an op must agree; only for a layout of one row of
     blocks) says the START also carries the blocks at its pointers: the op's only
     data round, answered by one RESULT per stream (see the module's docstring). A
-    worker then sends one START per stream, ``stream`` naming it, each with that
-    stream's pointers and blocks, so that no message is larger than a stream's and
-    the aggregator sums a stream while the next ones arrive. None (unset, as every
-    optional field) or False: it does not, and ``stream`` is None.
+    worker then sends its streams in STARTs of ``stream_count`` consecutive streams
+    from ``stream`` (None: one), each with those streams' pointers and blocks and no
+    more blocks than one stream holds (``message_blocks``): a sparse tensor in one
+    message, a dense one stream by stream, so that the aggregator sums a stream
+    while the next ones arrive. None (unset, as every optional field) or False: it
+    does not, and ``stream`` and ``stream_count`` are None.
 
-    Frames: the first nonzero block of every column (of the stream, if eager) that
+    Frames: the first nonzero block of every column (of the streams, if eager) that
     has one (int64, in column order; see :func:`compact_pointers`); if eager, then
     the payload of those blocks.
     """
@@ -182,6 +187,7 @@ class Start:
     compute: float | None = None
     eager: bool | None = None
     stream: int | None = None
+    stream_count: int | None = None
 
 
 @dataclass(slots=True)
@@ -213,6 +219,8 @@ class Result:
     worker's group of own blocks in that order and of the shared group (world + 1
     int64); the sums of the blocks before the receiving worker's group; the sums of
     those after it. The worker's own blocks, sent only by it, sum to themselves.
+    Eager streams that complete together and follow each other come in one RESULT
+    of ``stream_count`` streams from ``stream`` (None: one): five such frames each.
 
     ``batches``, in round 0 of stream 0 only, is the aggregator's recommended
     batch size per rank (floats summing to the op's total weight), from the ranks'
@@ -225,6 +233,7 @@ class Result:
     stream: int
     round: int
     batches: list[float] | None = None
+    stream_count: int | None = None
 
 
 @dataclass(slots=True)
@@ -426,7 +435,10 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
     for name in names:
         if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager"):
             continue
-        _check_int(name, header[name], optional=(cls is Error and name == "op") or (cls is Start and name == "stream"))
+        optional = (cls is Error and name == "op") or (cls is Start and name == "stream") or name == "stream_count"
+        _check_int(name, header[name], optional=optional)
+        if name == "stream_count" and header[name] is not None and header[name] < 1:
+            raise ProtocolError("header field 'stream_count' must be positive")
     if cls is Hello:
         _check_str("token", header["token"], MAX_NAME, empty=True)
     if cls is Start and header["dtype"] not in _DTYPES:

@@ -41,8 +41,11 @@ def test_a_one_row_op_is_summed_in_one_round_trip(seed: int) -> None:
         np.testing.assert_array_equal(out, np.sum(xs, axis=0))
     for w in ops:
         assert w.eager
-        # One START per stream (with its blocks) is all a rank sends; one RESULT per stream comes back.
-        assert w.stats.messages_sent == 2 and w.stats.messages_received == 2 and w.stats.rounds == 1
+        # Its STARTs (with the blocks) are all a rank sends: one if its blocks fit in one
+        # stream's message (64), else one per stream; the streams' RESULTs come back, in
+        # one message where both streams complete on the same START.
+        assert w.stats.messages_sent == (1 if w.stats.blocks_sent <= 64 else 2) and w.stats.rounds == 1
+        assert w.stats.messages_received in (1, 2)
         assert w.stats.blocks_sent == np.count_nonzero(np.add.reduceat(xs[w.rank] != 0, np.arange(0, 997, 8)))
     assert engine.counters.rounds == 2 and engine.ops_completed == 1 and engine.held_bytes == 0
 
@@ -302,13 +305,13 @@ def _eager_header(stream: int | None, eager: bool | None = True) -> Start:
 
 
 @pytest.mark.parametrize("header, frames, match", [
-    (_eager_header(None), [np.zeros(0, np.int64), np.zeros(0, np.float32)], "eager START of stream None"),
-    (_eager_header(3), [np.zeros(0, np.int64), np.zeros(0, np.float32)], "eager START of stream 3, not one of"),
+    (_eager_header(None), [np.zeros(0, np.int64), np.zeros(0, np.float32)], "eager START of streams None\\+1"),
+    (_eager_header(3), [np.zeros(0, np.int64), np.zeros(0, np.float32)], "eager START of streams 3\\+1, not among"),
     (Start("j", 0, 2, 0, 640, int(DType.FLOAT32), 4, 16, 3, stream=0), [np.zeros(0, np.int64)],
-     "START of one stream \\(0\\) for an op that is not eager"),
+     "START of given streams \\(0\\) for an op that is not eager"),
     # Stream 0 of 3 holds columns 0-12.
     (_eager_header(0), [np.arange(12, 14, dtype=np.int64), np.zeros(8, np.float32)],
-     "outside stream 0's columns"),
+     "outside the columns of streams 0-0"),
     (_eager_header(0), [np.arange(13, dtype=np.int64)], "does not carry at most 13 column pointers"),
     (_eager_header(0), [np.arange(14, dtype=np.int64), np.zeros(56, np.float32)], "at most 13 column pointers"),
 ])
@@ -348,3 +351,73 @@ def test_an_eager_op_larger_than_a_frame_limit_is_sent_stream_by_stream() -> Non
         for w in ws:
             w.close()
         agg.close()
+
+
+def test_a_sparse_rank_sends_its_streams_in_one_start_and_hears_back_in_one_result() -> None:
+    # 40 blocks of 4 in 3 streams of at most 16 columns; rank 0 holds 5 blocks over all three
+    # streams (one START), rank 1 every block (one START per stream).
+    layout = Layout(160, 4, 16, 3)
+    sparse = np.zeros(160, np.float32)
+    sparse[[0, 30, 60, 110, 159]] = [1, 2, 3, 4, 5]
+    dense = np.arange(160, dtype=np.float32)
+    s0, s1 = _stream_starts(0, sparse, layout), _stream_starts(1, dense, layout)
+    assert len(s0) == 1 and len(s1) == 3
+    msg, _ = decode(s0[0])
+    assert isinstance(msg, Start) and (msg.stream, msg.stream_count) == (0, 3)
+    engine = Engine()
+    assert engine.handle(peer_of(1), s1[0]) == [] and engine.handle(peer_of(1), s1[2]) == []
+    # Rank 0's START completes streams 0 and 2, which do not follow each other: two RESULTs each.
+    out = engine.handle(peer_of(0), s0[0])
+    assert sorted((p, decode(wire(f))[0].stream, decode(wire(f))[0].stream_count) for p, f in out) == [
+        (peer_of(0), 0, None), (peer_of(0), 2, None), (peer_of(1), 0, None), (peer_of(1), 2, None)]
+    assert len(engine.handle(peer_of(1), s1[1])) == 2 and engine.ops_completed == 1 and engine.held_bytes == 0
+
+
+def test_streams_completed_together_come_back_in_one_result() -> None:
+    layout = Layout(160, 4, 16, 3)
+    xs = [np.zeros(160, np.float32) for _ in range(2)]
+    xs[0][[0, 70, 150]] = 1.0
+    xs[1][[4, 70, 155]] = 2.0
+    ops = [WorkerOp("j", r, 2, 0, x, DType.FLOAT32, layout) for r, x in enumerate(xs)]
+    engine = Engine()
+    assert engine.handle(peer_of(0), wire(ops[0].start()[0])) == []
+    out = engine.handle(peer_of(1), wire(ops[1].start()[0]))
+    assert len(out) == 2
+    for peer, frames in out:
+        msg, body = decode(wire(frames))
+        assert isinstance(msg, Result) and (msg.stream, msg.stream_count) == (0, 3) and len(body) == 15
+        w = ops[0 if peer == peer_of(0) else 1]
+        assert w.on_result(msg, body) is None and w.done and w.stats.messages_received == 1
+        np.testing.assert_array_equal(w.out, xs[0] + xs[1])
+    assert engine.ops_completed == 1 and engine.held_bytes == 0
+
+
+def test_a_start_that_repeats_a_stream_of_an_earlier_one_fails_the_op() -> None:
+    layout = Layout(160, 4, 16, 3)
+    x = np.zeros(160, np.float32)
+    x[[0, 70]] = 1.0
+    engine = Engine()
+    assert engine.handle(peer_of(0), _stream_starts(0, np.ones(160, np.float32), layout)[1]) == []
+    errs = errors_by_peer(engine.handle(peer_of(0), _stream_starts(0, x, layout)[0]))
+    assert "sent stream 1's START twice" in errs[peer_of(0)].message and engine.held_bytes == 0
+
+
+def test_the_engine_refuses_a_start_of_streams_past_the_last() -> None:
+    bad = encode(Start("j", 0, 2, 0, 160, int(DType.FLOAT32), 4, 16, 3, eager=True, stream=1, stream_count=3),
+                 np.zeros(0, np.int64), np.zeros(0, np.float32))
+    errs = errors_by_peer(Engine().handle(peer_of(0), wire(bad)))
+    assert "eager START of streams 1+3, not among the op's 3" in errs[peer_of(0)].message
+
+
+@pytest.mark.parametrize("stream, count, frames, match", [
+    (2, 2, 10, "result for 2 streams from stream 2 out of order"),
+    (0, 2, 9, "with 9 frames; expected 10"),
+])
+def test_the_worker_refuses_a_result_of_streams_it_cannot_hold(stream: int, count: int, frames: int,
+                                                                match: str) -> None:
+    w = WorkerOp("j", 0, 2, 0, np.ones(160, np.float32), DType.FLOAT32, Layout(160, 4, 16, 3))
+    w.start()
+    msg, body = decode(wire(encode(Result("j", 0, stream, 0, None, count), *[np.zeros(0, np.int64)] * frames)))
+    assert isinstance(msg, Result)
+    with pytest.raises(ProtocolError, match=match):
+        w.on_result(msg, body)

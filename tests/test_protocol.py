@@ -24,7 +24,7 @@ from omnireduce.protocol import (
 )
 
 WEIGHTED = Start("job-a", 2, 5, 9, 12, int(DType.BFLOAT16), 3, 1, 2, weight=12.5, compute=0.25)
-RECOMMENDS = Result("j", 0, 0, 0, batches=[19.0, 38.5, 38.5])
+RECOMMENDS = Result("j", 0, 0, 0, batches=[19.0, 38.5, 38.5], stream_count=3)
 # Every message type, with distinct values in its fields (a field decoded into another
 # would show), and every optional field both set and unset.
 MESSAGES = [
@@ -35,7 +35,8 @@ MESSAGES = [
     WEIGHTED,
     Start("j", 0, 2, 1, 33, int(DType.INT64), 8, 4, 3, weight=7, compute=0.0),  # an int weight; compute 0
     Start("j", 0, 2, 1, 33, int(DType.FLOAT64), 8, 4, 3, weight=None, compute=1.5),
-    Start("j", 0, 2, 1, 33, int(DType.FLOAT64), 8, 4, 3, weight=1.0, compute=1.5, eager=True, stream=2),
+    Start("j", 0, 2, 1, 33, int(DType.FLOAT64), 8, 4, 3, weight=1.0, compute=1.5, eager=True, stream=2,
+          stream_count=5),
     Blocks("job-a", 2, 7, 3, 12),
     Result("j", 4, 1, 6),  # batches unset
     RECOMMENDS,
@@ -193,3 +194,8 @@ def test_pointers_travel_compact_and_expand_back() -> None:
         with pytest.raises(ProtocolError):
             expand_pointers(np.array(ids, dtype=np.int64), 2, 5, 10, 35)
             pytest.fail(f"accepted: {why}")
+
+
+def test_a_stream_count_must_be_positive() -> None:
+    with pytest.raises(ProtocolError, match="stream_count"):
+        decode(_bytes(encode(Result("j", 0, 0, 0, None, 0))))

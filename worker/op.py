@@ -254,8 +254,9 @@ class WorkerOp:
     def start(self) -> list[list[Any]]:
         """The START messages (round 0), each a list of frames.
 
-        Not eager: one, every column's first nonzero block. Eager: one per stream,
-        its blocks (in a one-row layout a block is its column's pointer) and their payload.
+        Not eager: one, every column's first nonzero block. Eager: runs of consecutive
+        streams, each with at most ``message_blocks`` blocks (in a one-row layout a
+        block is its column's pointer) and their payload: as few messages as that allows.
         """
         header = Start(
             self.job, self.rank, self.world_size, self.op, self.layout.length, int(self.dtype),
@@ -270,15 +271,21 @@ class WorkerOp:
         # The payload is kept: the RESULT leaves out the sums that are this rank's own blocks.
         self._sent = sent = self._payload(self._ids)
         b = self.layout.block_size
+        bounds = self._bounds
+        nstreams = self.layout.num_streams
         messages = []
-        for k in range(self.layout.num_streams):
-            lo, hi = int(self._bounds[k]), int(self._bounds[k + 1])
+        k = 0
+        while k < nstreams:
+            # The most consecutive streams whose blocks fit in one stream's worth (a stream always does).
+            end = max(k + 1, int(np.searchsorted(bounds, bounds[k] + self.layout.message_blocks, "right")) - 1)
+            lo, hi = int(bounds[k]), int(bounds[end])
             ids = self._ids[lo:hi]
-            header.stream = k
+            header.stream, header.stream_count = k, (end - k if end - k > 1 else None)
             # Only the last stream can hold the short last block.
             frames = encode(header, ids, sent[lo * b : lo * b + self.layout.payload_elements(ids)])
             self._count_sent(frames, hi - lo)
             messages.append(frames)
+            k = end
         return messages
 
     def _payload(self, ids: np.ndarray) -> np.ndarray:
@@ -355,20 +362,27 @@ class WorkerOp:
         Raises:
             ProtocolError: the result does not fit the op's state.
         """
-        s = msg.stream
-        if s >= self.layout.num_streams or (self._cur[s] is None or self.eager) and msg.round != 0:
-            raise ProtocolError(f"result for stream {msg.stream} round {msg.round} out of order")
-        if msg.round != self._rounds[s] or len(data) != (5 if self.eager else 2):
-            raise ProtocolError(
-                f"result for stream {s} round {msg.round} with {len(data)} frames; expected round {self._rounds[s]} "
-                f"with {5 if self.eager else 2}"
-            )
+        count = msg.stream_count or 1
+        width = 5 if self.eager else 2
+        if msg.stream + count > self.layout.num_streams or (count > 1 and not self.eager):
+            raise ProtocolError(f"result for {count} streams from stream {msg.stream} out of order")
+        if len(data) != width * count:
+            raise ProtocolError(f"result for {count} streams from stream {msg.stream} with {len(data)} frames; "
+                                f"expected {width * count}")
         if msg.batches is not None:
             if len(msg.batches) != self.world_size:
                 raise ProtocolError(f"result carries {len(msg.batches)} batch sizes for {self.world_size} ranks")
             self.batches = msg.batches
         self.stats.bytes_received += frames_nbytes(data)
         self.stats.messages_received += 1
+        reply = None
+        for i in range(count):
+            reply = self._on_stream_result(msg.stream + i, msg.round, data[i * width : (i + 1) * width])
+        return reply
+
+    def _on_stream_result(self, s: int, rnd: int, data: list[Any]) -> list[Any] | None:
+        if (self._cur[s] is None or self.eager) and rnd != 0 or rnd != self._rounds[s]:
+            raise ProtocolError(f"result for stream {s} round {rnd} out of order (expected round {self._rounds[s]})")
         cols = self.layout.stream_columns(s)
         # Only the instructed (finite) pointers are looked at: a round costs what its
         # blocks do, not what the stream's columns do.
@@ -418,6 +432,6 @@ class WorkerOp:
         after = self._table[ids // self.layout.num_columns + 1, abs_cols]
         self._mynext[abs_cols] = after
         self._live[s] -= int(np.count_nonzero(after == INF))
-        frames = encode(Blocks(self.job, self.rank, self.op, s, msg.round), after, self._payload(ids))
+        frames = encode(Blocks(self.job, self.rank, self.op, s, rnd), after, self._payload(ids))
         self._count_sent(frames, len(ids))
         return frames

@@ -309,6 +309,10 @@ def sparse_estimate(
         crit = expected_max_rounds(nb, cols, u) + 1.0  # + round 0 (START and the first instruction)
         per_stream_rounds = expected_max_rounds(nb, cols, u, per_stream) + 1.0
     stream_rounds = nstreams * per_stream_rounds
+    # Messages each way per worker: a stream-round each, except that an eager op's streams
+    # travel in as few STARTs as hold one stream's worth of blocks, and their RESULTs likewise.
+    exchanges = (max(1.0, min(float(nstreams), math.ceil(float(dens.max()) * nb / message_blocks)))
+                 if nb <= cols else stream_rounds)
     block_bytes = block_size * element_size
     # Worker -> aggregator: own blocks, each with the pointer to its next; START: the first
     # nonzero block of each column that has one (only finite pointers travel).
@@ -316,8 +320,8 @@ def sparse_estimate(
     # Aggregator -> each worker: the union's sums, and the instruction: one pointer per union block.
     recv = u * size * (1.0 + _INDEX_BYTES / block_bytes)
     bytes_in, bytes_out = float(sent.sum()), n * recv
-    # Every stream-round: up to n messages in and n out at the aggregator, 1 in and 1 out at a worker.
-    messages = 2.0 * n * stream_rounds
+    # Every exchange: up to n messages in and n out at the aggregator, 1 in and 1 out at a worker.
+    messages = 2.0 * n * exchanges
     # The mask kernel reads every word of a tensor unless most of its blocks are nonzero,
     # when it stops at each block's first nonzero word (config.PROBE_DENSE).
     mask = size * max(p.mask_dense_s_per_byte if d > PROBE_DENSE else p.mask_s_per_byte for d in dens)
@@ -332,7 +336,7 @@ def sparse_estimate(
         result_pages = size * p.zero_s_per_byte
     # Consecutive blocks (a dense op) go out as views; scattered ones are gathered.
     gather = 0.0 if dens.max() >= 1.0 else float(dens.max()) * size * p.copy_s_per_byte
-    worker_cpu = gather + u * size * p.copy_s_per_byte + 2.0 * stream_rounds * p.per_message_s
+    worker_cpu = gather + u * size * p.copy_s_per_byte + 2.0 * exchanges * p.per_message_s
     agg_cpu = (messages * p.per_message_s + bytes_in * p.add_s_per_byte) / shards
     transfer = _link(bytes_in / shards, bytes_out / shards, p)
     latency = crit * 2.0 * (p.alpha + p.per_message_s)

@@ -100,10 +100,13 @@ def test_sparse_hand_worked_small_case() -> None:
 
 
 def test_an_op_of_one_row_is_one_round_trip() -> None:
-    # 4 blocks in 4 columns (2 streams of 2): eager, its START carries the blocks.
+    # 4 blocks in 4 columns (2 streams of 2): eager, its START carries the blocks. At half
+    # density a worker's 2 blocks fit in one START (one stream's worth), answered by one RESULT.
     p = _p(False, GAMMA, per_message_s=1e-5, cores=1)
     e = model.sparse_estimate(1024, 2, p, 0.5, block_size=256, message_blocks=2, streams=2)
-    assert e.critical_rounds == 1.0 and e.stream_rounds == 2.0 and e.messages == 2 * 2 * 2
+    assert e.critical_rounds == 1.0 and e.stream_rounds == 2.0 and e.messages == 2 * 2 * 1
+    # Dense, its 4 blocks take a START per stream.
+    assert model.sparse_estimate(1024, 2, p, 1.0, block_size=256, message_blocks=2, streams=2).messages == 2 * 2 * 2
     assert e.rounds == pytest.approx(2.0 * (p.alpha + p.per_message_s))
     # One row fewer column: two rows, a round 0 and up to two data rounds.
     two = model.sparse_estimate(1024, 2, p, 0.5, block_size=256, message_blocks=1, streams=2)

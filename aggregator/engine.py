@@ -517,7 +517,7 @@ class Engine:
         params = _params(msg)
         op = self._ops.get(key)
         if op is None:
-            op = self._new_op(j, msg, body)
+            op = self._new_op(j, msg, body)  # checks the START's shape before allocating
         elif params != op.params:
             names = ("world_size", "length", "dtype", "block_size", "message_blocks", "streams", "weighted", "eager")
             joined = [r for r, p in enumerate(op.peers) if p is not None]
@@ -535,7 +535,8 @@ class Engine:
                 f"workers disagree on the op: {diff} (ranks {_ranks_text(groups[0])} vs {_ranks_text(groups[1])})",
                 sorted({*joined, msg.rank}),
             )
-        _check_start_shape(op.layout, msg, body)
+        else:
+            _check_start_shape(op.layout, msg, body)
         if msg.eager:
             return self._on_eager_start(peer, j, op, msg, body)
         if op.peers[msg.rank] is not None:
@@ -696,19 +697,20 @@ class Engine:
             self._unhold(op, s)
             self.counters.rounds += 1
         out: list[Outgoing] = []
+        # A stream completes once every rank has sent it, so every rank has joined.
+        peers = [p for p in op.peers if p is not None]
         i = 0
         while i < len(complete):
             # A run of consecutive streams: one message (a handful of runs per START at most).
-            j = i + 1
-            while j < len(complete) and complete[j].index == complete[j - 1].index + 1:
-                j += 1
+            end = i + 1
+            while end < len(complete) and complete[end].index == complete[end - 1].index + 1:
+                end += 1
             first = complete[i].index
             header = encode(Result(op.job, op.op, first, 0, batches if first == 0 else None,
-                                   j - i if j - i > 1 else None))[0]
-            for rank, peer in enumerate(op.peers):
-                if peer is not None:
-                    out.append((peer, [header, *(f for part in parts[rank][i:j] for f in part)]))
-            i = j
+                                   end - i if end - i > 1 else None))[0]
+            for rank, peer in enumerate(peers):
+                out.append((peer, [header, *(f for part in parts[rank][i:end] for f in part)]))
+            i = end
         op.streams_left -= len(complete)
         if op.streams_left == 0:
             self._retire(op)

@@ -23,7 +23,7 @@ import zmq
 
 from aggregator.engine import Engine, Outgoing
 from aggregator.limits import Limits, RateLimitedLog
-from omnireduce import config, transport
+from omnireduce import config, memory, transport
 from omnireduce.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -106,6 +106,7 @@ class Aggregator:
         if not endpoints:
             raise ConfigError("no endpoint to listen on")
         self.heartbeat_timeout = heartbeat_timeout if heartbeat else None
+        memory.tune_malloc()
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self.engine = Engine(timeout=timeout, limits=self.limits)

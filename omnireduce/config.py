@@ -61,6 +61,7 @@ __all__ = [
     "PROBE_DENSE",
     "LOCAL_WORLD_SIZE",
     "OMNIREDUCE_MASK_THREADS",
+    "OMNIREDUCE_MALLOC_TUNE",
     "MAX_MASK_THREADS",
     "mask_threads",
     "resolve",
@@ -114,6 +115,9 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 #: may run on divided by ``LOCAL_WORLD_SIZE`` (at most :data:`MAX_MASK_THREADS`), or 1
 #: when ``LOCAL_WORLD_SIZE`` is unset (nothing says the cores are free).
 OMNIREDUCE_MASK_THREADS = "OMNIREDUCE_MASK_THREADS"
+#: "0" keeps glibc's malloc thresholds as they are; "1" (the default) fixes them when the
+#: first worker or aggregator of the process starts (see :mod:`omnireduce.memory`).
+OMNIREDUCE_MALLOC_TUNE = "OMNIREDUCE_MALLOC_TUNE"
 
 DEFAULT_BLOCK_SIZE = 256
 # A tensor of up to 8192 x 16 blocks (128 MB of float32) lays one block per column, so it

@@ -31,6 +31,7 @@ from omnireduce.layout import Layout
 from worker.auto import PathChooser
 from worker.connection import Connection
 from worker.cuda import CudaOpData, is_cuda_tensor
+from worker.loop import CommLoop
 from worker.op import OpRequest, check_destination
 from worker.rows import RowsOpData, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
@@ -74,6 +75,8 @@ class Worker(SettingsView):
             measured; see :mod:`worker.auto`). Default ``$OMNIREDUCE_MODE``, else sparse.
         settings: settings resolved already (:meth:`WorkerSettings.resolve`), instead of
             the arguments from ``rank`` on (a sharded worker gives every shard the same).
+        loop: the communication thread, shared with other workers of this process (a
+            sharded worker's shards share one); a thread of its own by default.
 
     Example::
 
@@ -114,6 +117,7 @@ class Worker(SettingsView):
         curve_client_key: str | os.PathLike[str] | None = None,
         mode: str | None = None,
         settings: WorkerSettings | None = None,
+        loop: CommLoop | None = None,
     ) -> None:
         self.address: str = config.resolve(address, config.OMNIREDUCE_ADDRESS, None, str)
         if settings is None:
@@ -128,7 +132,7 @@ class Worker(SettingsView):
                         message_blocks=settings.message_blocks, streams=settings.streams)
             if settings.mode == "auto" else None
         )
-        self._connection = Connection(self.address, settings, context)
+        self._connection = Connection(self.address, settings, context, loop)
         self._lock = threading.Lock()
         # Ops submitted and not finished, and since when none has been: the compute time.
         self._outstanding = 0

@@ -1,9 +1,11 @@
-"""One connection to one aggregator, and the communication thread that owns it.
+"""One connection to one aggregator, served by a communication thread.
 
-A :class:`Connection` owns one DEALER socket, used only by its thread. Callers
-submit op requests (:class:`worker.op.OpRequest`) through a queue and an inproc
-wake-up socket, so several ops (DDP buckets) are in flight at once while the
-caller keeps computing; the connection numbers them in submission order.
+A :class:`Connection` owns one DEALER socket, used only by the thread of its
+:class:`worker.loop.CommLoop` (its own, or one shared with the other shards of a
+sharded worker). Callers submit op requests (:class:`worker.op.OpRequest`)
+through the loop's queue and wake-up socket, so several ops (DDP buckets) are in
+flight at once while the caller keeps computing; the connection numbers them in
+submission order.
 
 The thread watches the socket's connection through its monitor: on every new
 connection it first sends HELLO (job, rank, generation, token), and only then the
@@ -18,7 +20,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -27,7 +28,7 @@ from typing import Any
 
 import zmq
 
-from omnireduce import transport
+from omnireduce import memory, transport
 from omnireduce.errors import (
     AggregatorError,
     AuthError,
@@ -53,6 +54,7 @@ from omnireduce.protocol import (
     decode,
     encode,
 )
+from worker.loop import CommLoop
 from worker.op import OpRequest, WorkerOp
 from worker.settings import WorkerSettings
 from worker.stats import Stats
@@ -71,7 +73,6 @@ _ERRORS: dict[int, type[OpError]] = {
 }
 # Errors answering HELLO: this connection may not take part in the job at all.
 _REFUSALS = frozenset({ErrorCode.AUTH, ErrorCode.LIMIT, ErrorCode.MISMATCH, ErrorCode.STALE})
-_wake_ids = itertools.count()
 # How long closing waits for BYE to leave, so the aggregator does not count the rank as lost.
 _BYE_LINGER_MS = 500
 
@@ -85,13 +86,16 @@ class _Pending:
 
 
 class Connection:
-    """A connection to one aggregator for one rank of one job, with its communication thread.
+    """A connection to one aggregator for one rank of one job, served by a communication thread.
 
     Args:
         address: the aggregator's endpoint; ``inproc://`` reaches an aggregator in
             this process (it must share ``context``).
         settings: the worker's settings (rank, job, timeouts, CURVE keys, ...).
         context: ZeroMQ context; a private one by default.
+        loop: the communication thread to serve this connection, shared with other
+            connections of this process (a sharded worker's shards share one); a
+            private one by default.
 
     Attributes:
         stats: what this connection's ops moved.
@@ -99,9 +103,11 @@ class Connection:
 
     Raises:
         ConfigError: the address or the CURVE keys are unusable.
+        WorkerClosedError: ``loop`` is closed.
     """
 
-    def __init__(self, address: str, settings: WorkerSettings, context: zmq.Context | None = None) -> None:
+    def __init__(self, address: str, settings: WorkerSettings, context: zmq.Context | None = None,
+                 loop: CommLoop | None = None) -> None:
         self.address = address
         self.settings = settings
         # Read by every log line of the thread.
@@ -110,6 +116,7 @@ class Connection:
         self.timeout = settings.timeout
         self.stats = Stats()
         self.batches: list[float] | None = None
+        memory.tune_malloc()
         self._hello = encode(Hello(settings.job, settings.rank, settings.world_size, settings.generation,
                                    settings.token))
         self._own_context = context is None
@@ -123,33 +130,34 @@ class Connection:
             transport.curve_client(self._sock, settings.curve_server_key, settings.curve_client_key)
             self._sock.connect(address)
         except (zmq.ZMQError, ConfigError) as e:
-            transport.close_monitored(self._sock, self._mon)
-            if self._own_context:
-                self._ctx.term()
+            self._close_sockets()
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"cannot connect to aggregator address {address!r}: {e}") from None
-        wake = f"inproc://omnireduce-worker-wake-{id(self)}-{next(_wake_ids)}"
-        self._wake_recv = self._ctx.socket(zmq.PAIR)
-        self._wake_recv.bind(wake)
-        self._wake_send = self._ctx.socket(zmq.PAIR)
-        self._wake_send.connect(wake)
-        self._wake_lock = threading.Lock()
-        self._submissions: queue.SimpleQueue[OpRequest | None] = queue.SimpleQueue()
         self._op_counter = itertools.count()
         # Guards the op numbers, the queue's order and the closed/dead state together.
         self._lock = threading.Lock()
         self._closed = False
         self._dead: BaseException | None = None
-        # The thread's own state; every field is set here, before the thread starts.
+        self._finished = threading.Event()
+        # The thread's own state; every field is set here, before the thread sees the connection.
+        self._pending: dict[int, _Pending] = {}
         # Messages waiting for a live connection, oldest first: (op or None for HELLO, frames).
         self._outbox: collections.deque[tuple[int | None, list[Any]]] = collections.deque()
         self._connected = False
+        self._polling_out = False
         # Set when the aggregator refused this connection's HELLO: new ops fail with it.
         self._refused: OpError | None = None
         self._handshake_failures = 0
-        self._thread = threading.Thread(target=self._run, name=f"omnireduce-worker-r{self.rank}", daemon=True)
-        self._thread.start()
+        self._own_loop = loop is None
+        self._loop = loop if loop is not None else CommLoop(self._ctx, name=f"omnireduce-worker-r{self.rank}")
+        try:
+            self._loop.attach(self)
+        except BaseException:
+            if self._own_loop:
+                self._loop.close()
+            self._close_sockets()
+            raise
 
     @property
     def closed(self) -> bool:
@@ -165,77 +173,78 @@ class Connection:
             if self._closed or self._dead is not None:
                 raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed") from self._dead
             request.op = next(self._op_counter)
-            self._submissions.put(request)
-        self._wake()
+            self._loop.put(self, request)
+        self._loop.wake()
         return request.op
 
     def close(self) -> None:
-        """Stops the communication thread; pending ops fail with WorkerClosedError."""
+        """Closes the connection; pending ops fail with WorkerClosedError.
+
+        Called on the communication thread itself (from an op's callback), it only
+        asks: the thread closes the connection after the callback.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._submissions.put(None)
-        self._wake()
-        self._thread.join()
-        self._wake_send.close()
+            if self._dead is None:
+                self._loop.put(self, None)
+        self._loop.wake()
+        if self._loop.on_thread:
+            if self._own_loop:
+                self._loop.close()
+            return
+        # The thread finishes the connection, or is gone (having failed its ops).
+        while not self._finished.wait(0.1) and self._loop.alive:
+            pass
+        if self._own_loop:
+            self._loop.close()
+        if self._own_context and self._finished.is_set():
+            self._ctx.term()
+
+    def _close_sockets(self) -> None:
+        transport.close_monitored(self._sock, self._mon)
         if self._own_context:
             self._ctx.term()
 
-    def _wake(self) -> None:
-        with self._wake_lock:
-            try:
-                self._wake_send.send(b"", flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass  # a wake-up is already queued, or the thread is gone
+    # Everything below runs on the communication thread only (worker.loop.CommLoop).
 
-    # Everything below runs on the communication thread only.
-
-    def _run(self) -> None:
-        pending: dict[int, _Pending] = {}
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
-        poller.register(self._mon, zmq.POLLIN)
-        stopping = False
+    def _on_attach(self) -> None:
         if self.address.startswith("inproc://"):
             # An inproc peer has no handshake (so no monitor event) to wait for: it is
             # there from connect on, and gone only with the process.
             self._connected = True
             self._outbox.appendleft((None, self._hello))
+
+    def _poll_out(self, poller: zmq.Poller) -> None:
+        writable = self._connected and bool(self._outbox)
+        if writable != self._polling_out:
+            poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if writable else 0))
+            self._polling_out = writable
+
+    def _mark_dead(self, error: BaseException) -> None:
+        with self._lock:
+            self._dead = error
+
+    def _fail_request(self, request: OpRequest, error: BaseException) -> None:
+        _fail_future(request.future, error)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        for p in self._pending.values():
+            _fail_future(p.request.future, error)
+        self._pending.clear()
+
+    def _finish(self, bye: bool) -> None:
+        """Fails what is pending, says goodbye if asked and connected, and closes the socket."""
         try:
-            while not stopping:
-                writable = self._connected and bool(self._outbox)
-                poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if writable else 0))
-                events = dict(poller.poll(self._wait_ms(pending)))
-                if self._mon in events:
-                    self._on_monitor(pending)
-                if self._wake_recv in events:
-                    while self._wake_recv.poll(0):
-                        self._wake_recv.recv()
-                    stopping = self._take_submissions(pending)
-                if self._sock in events:
-                    self._receive(pending)
-                self._flush()
-                self._expire(pending)
-        except Exception as e:
-            logger.exception("worker rank %d of job %r: communication thread died", self.rank, self.job)
-            with self._lock:
-                # Under the lock: no submission can be queued after the drains below.
-                self._dead = e
-            for p in pending.values():
-                _fail_future(p.request.future, WorkerClosedError(f"communication thread died: {e!r}"))
-            self._drain_submissions(WorkerClosedError(f"communication thread died: {e!r}"))
-        finally:
-            for p in pending.values():
-                _fail_future(p.request.future, WorkerClosedError(
-                    f"worker rank {self.rank} of job {self.job!r} closed with op {p.state.op} pending"
-                ))
-            self._drain_submissions(WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed"))
-            if stopping and self._connected:
+            self._fail_pending(WorkerClosedError(
+                f"worker rank {self.rank} of job {self.job!r} closed with ops {sorted(self._pending)} pending"
+            ))
+            if bye and self._connected:
                 self._say_bye()
             transport.close_monitored(self._sock, self._mon)
-            self._wake_recv.close()
+        finally:
+            self._finished.set()
 
     def _say_bye(self) -> None:
         try:
@@ -244,19 +253,10 @@ class Connection:
         except zmq.ZMQError as e:
             logger.debug("worker rank %d of job %r: no BYE sent: %s", self.rank, self.job, e)
 
-    def _drain_submissions(self, error: BaseException) -> None:
-        while True:
-            try:
-                sub = self._submissions.get_nowait()
-            except queue.Empty:
-                return
-            if sub is not None:
-                _fail_future(sub.future, error)
-
-    def _wait_ms(self, pending: dict[int, _Pending]) -> int | None:
-        if not pending:
+    def _wait_ms(self) -> int | None:
+        if not self._pending:
             return None
-        deadline = min(p.last_heard for p in pending.values()) + self.timeout
+        deadline = min(p.last_heard for p in self._pending.values()) + self.timeout
         return max(0, int((deadline - time.monotonic()) * 1000) + 1)
 
     def _post(self, op: int | None, frames: list[Any]) -> None:
@@ -277,15 +277,16 @@ class Connection:
                 return
             self._outbox.popleft()
 
-    def _drop(self, pending: dict[int, _Pending], op: int, error: BaseException) -> None:
+    def _drop(self, op: int, error: BaseException) -> None:
         """Fails a pending op and forgets its queued messages."""
-        p = pending.pop(op, None)
+        p = self._pending.pop(op, None)
         if p is not None:
             _fail_future(p.request.future, error)
         if any(o == op for o, _ in self._outbox):
             self._outbox = collections.deque(item for item in self._outbox if item[0] != op)
 
-    def _on_monitor(self, pending: dict[int, _Pending]) -> None:
+    def _on_monitor(self) -> None:
+        pending = self._pending
         for kind, _ in transport.monitor_events(self._mon):
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 logger.info("worker rank %d of job %r: connected to %s", self.rank, self.job, self.address)
@@ -304,7 +305,7 @@ class Connection:
                         self.rank, self.job, self.address, sorted(pending),
                     )
                     for op in list(pending):
-                        self._drop(pending, op, ConnectionLostError(
+                        self._drop(op, ConnectionLostError(
                             f"lost the connection to the aggregator at {self.address}; the op's state is gone "
                             "(ZeroMQ reconnects for new ops)", job=self.job, op=op,
                         ))
@@ -318,43 +319,38 @@ class Connection:
                 # New ops fail at once too, until a handshake succeeds (ZeroMQ may not retry).
                 self._refused = AuthError(why, job=self.job)
                 for op in list(pending):
-                    self._drop(pending, op, AuthError(why, job=self.job, op=op))
+                    self._drop(op, AuthError(why, job=self.job, op=op))
 
-    def _take_submissions(self, pending: dict[int, _Pending]) -> bool:
-        while True:
-            try:
-                sub = self._submissions.get_nowait()
-            except queue.Empty:
-                return False
-            if sub is None:
-                return True
-            if not sub.future.set_running_or_notify_cancel():
-                # Cancelled while queued: the op still runs (the other ranks wait for
-                # its number), its result goes nowhere.
-                sub.future = Future()
-                sub.future.set_running_or_notify_cancel()
-            if self._refused is not None:
-                r = self._refused
-                sub.future.set_exception(type(r)(r.reason, job=self.job, op=sub.op, ranks=r.ranks))
-                continue
-            now = time.monotonic()
-            try:
-                state = WorkerOp.from_request(self.settings, sub)
-                messages = state.start()
-            except OmniReduceError as e:
-                sub.future.set_exception(e)
-                continue
-            except Exception as e:  # e.g. MemoryError: fail this op, not the thread
-                logger.exception("worker rank %d of job %r op %d: setting up the op failed", self.rank, self.job,
-                                 sub.op)
-                sub.future.set_exception(OpError(f"op {sub.op}: setting up the op failed: {e!r}",
-                                                 job=self.job, op=sub.op))
-                continue
-            pending[sub.op] = _Pending(state, sub, now, now)
-            for frames in messages:
-                self._post(sub.op, frames)
+    def _take(self, sub: OpRequest) -> None:
+        """Starts a submitted op: its first messages go out (or wait for the connection)."""
+        if not sub.future.set_running_or_notify_cancel():
+            # Cancelled while queued: the op still runs (the other ranks wait for
+            # its number), its result goes nowhere.
+            sub.future = Future()
+            sub.future.set_running_or_notify_cancel()
+        if self._refused is not None:
+            r = self._refused
+            sub.future.set_exception(type(r)(r.reason, job=self.job, op=sub.op, ranks=r.ranks))
+            return
+        now = time.monotonic()
+        try:
+            state = WorkerOp.from_request(self.settings, sub)
+            messages = state.start()
+        except OmniReduceError as e:
+            sub.future.set_exception(e)
+            return
+        except Exception as e:  # e.g. MemoryError: fail this op, not the thread
+            logger.exception("worker rank %d of job %r op %d: setting up the op failed", self.rank, self.job,
+                             sub.op)
+            sub.future.set_exception(OpError(f"op {sub.op}: setting up the op failed: {e!r}",
+                                             job=self.job, op=sub.op))
+            return
+        self._pending[sub.op] = _Pending(state, sub, now, now)
+        for frames in messages:
+            self._post(sub.op, frames)
 
-    def _receive(self, pending: dict[int, _Pending]) -> None:
+    def _receive(self) -> None:
+        pending = self._pending
         while True:
             try:
                 frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
@@ -371,7 +367,7 @@ class Connection:
                 logger.warning("worker rank %d of job %r: message for job %r ignored", self.rank, self.job, msg.job)
                 continue
             if isinstance(msg, Error):
-                self._on_error(msg, pending)
+                self._on_error(msg)
                 continue
             if not isinstance(msg, Result):
                 logger.warning(
@@ -388,12 +384,12 @@ class Connection:
             try:
                 reply = p.state.on_result(msg, body)
             except OmniReduceError as e:
-                self._drop(pending, msg.op, e)
+                self._drop(msg.op, e)
                 continue
             except Exception as e:  # a malformed result must fail its op, not the thread
                 logger.exception("worker rank %d of job %r op %d: bad result from the aggregator", self.rank, self.job,
                                  msg.op)
-                self._drop(pending, msg.op, ProtocolError(f"bad result from the aggregator for op {msg.op}: {e!r}"))
+                self._drop(msg.op, ProtocolError(f"bad result from the aggregator for op {msg.op}: {e!r}"))
                 continue
             if msg.batches is not None:  # checked by on_result
                 self.batches = msg.batches
@@ -417,30 +413,32 @@ class Connection:
                     continue
                 p.request.future.set_result(result)
 
-    def _on_error(self, msg: Error, pending: dict[int, _Pending]) -> None:
+    def _on_error(self, msg: Error) -> None:
+        pending = self._pending
         cls = _ERRORS.get(msg.code, AggregatorError)
         if msg.op is None:
             logger.error("worker rank %d of job %r: the aggregator refused: %s", self.rank, self.job, msg.message)
             if msg.code in _REFUSALS:
                 self._refused = cls(f"aggregator: {msg.message}", job=self.job, ranks=msg.ranks)
             for op in list(pending):
-                self._drop(pending, op, cls(f"aggregator: {msg.message}", job=self.job, op=op, ranks=msg.ranks))
+                self._drop(op, cls(f"aggregator: {msg.message}", job=self.job, op=op, ranks=msg.ranks))
             return
         if msg.op in pending:
             logger.warning(
                 "worker rank %d of job %r op %d: aggregator error: %s", self.rank, self.job, msg.op, msg.message
             )
-            self._drop(pending, msg.op, cls(f"aggregator: {msg.message}", job=self.job, op=msg.op, ranks=msg.ranks))
+            self._drop(msg.op, cls(f"aggregator: {msg.message}", job=self.job, op=msg.op, ranks=msg.ranks))
         else:
             logger.debug("worker rank %d of job %r op %d (not pending): aggregator error: %s",
                          self.rank, self.job, msg.op, msg.message)
 
-    def _expire(self, pending: dict[int, _Pending]) -> None:
+    def _expire(self) -> None:
+        pending = self._pending
         now = time.monotonic()
         for op, p in list(pending.items()):
             if now - p.last_heard > self.timeout:
                 how = "" if self._connected else " (no connection to it)"
-                self._drop(pending, op, OpTimeoutError(
+                self._drop(op, OpTimeoutError(
                     f"no answer from the aggregator at {self.address} for {self.timeout:g} s{how}", job=self.job, op=op,
                 ))
 

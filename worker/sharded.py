@@ -7,8 +7,9 @@ is done per contiguous range: a tensor of ``nb`` blocks is cut on block
 boundaries into one chunk per shard, chunk ``k`` being blocks
 ``[k * nb // S, (k + 1) * nb // S)``, and chunk ``k`` is an ordinary op of an
 ordinary :class:`worker.client.Worker` connected to shard ``k``. The shards run
-their ops in parallel, each with its own connection, communication thread and
-streams, and each aggregator holds only its chunk's state. Contiguous chunks
+their ops in parallel, each with its own connection and streams, all served by
+one communication thread (:class:`worker.loop.CommLoop`: an op wakes one thread,
+not one per shard), and each aggregator holds only its chunk's state. Contiguous chunks
 keep every shard's result a plain slice of the output, so the sums are written
 in place with no gather step, and results are bit for bit those of one
 aggregator (a block's sum does not depend on which aggregator computes it).
@@ -36,6 +37,7 @@ from omnireduce import config
 from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClosedError
 from worker.client import Worker
 from worker.cuda import is_cuda_tensor
+from worker.loop import CommLoop
 from worker.op import check_destination, lazy_zeros, pages_written
 from worker.rows import SparseRows, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
@@ -81,7 +83,7 @@ class _Gather:
         self.lock = threading.Lock()
 
     def on_done(self, k: int, fut: Future) -> None:
-        # Runs on shard k's communication thread, right after that worker recorded the
+        # Runs on the communication thread, right after shard k's worker recorded the
         # op's stats: its stats.last is this op's.
         error = fut.exception()
         with self.lock:
@@ -158,12 +160,15 @@ class ShardedWorker(SettingsView):
         self.addresses = tuple(addresses)
         self.address = ",".join(addresses)
         self.shards: list[Worker] = []
+        # One communication thread for every shard: an op wakes one thread, not one per shard.
+        self._loop = CommLoop(context, name=f"omnireduce-worker-r{settings.rank}")
         try:
             for a in addresses:
-                self.shards.append(Worker(a, context=context, settings=settings))
+                self.shards.append(Worker(a, context=context, settings=settings, loop=self._loop))
         except BaseException:
             for w in self.shards:
                 w.close()
+            self._loop.close()
             raise
         self.stats = Stats()
         self._stats_lock = threading.Lock()
@@ -269,6 +274,7 @@ class ShardedWorker(SettingsView):
             self._closed = True
         for w in self.shards:
             w.close()
+        self._loop.close()
 
     # Splitting and joining.
 

@@ -1,0 +1,115 @@
+"""The communication loop: one thread serves every shard of a sharded worker, and its failure reaches every caller."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aggregator import Aggregator
+from omnireduce import WorkerClosedError
+from tests.helpers import run_ranks
+from worker import ShardedWorker, Worker, connect
+from worker.connection import Connection
+from worker.loop import CommLoop
+
+SMALL = dict(block_size=16, message_blocks=4, streams=2)
+
+
+def _worker_threads(rank: int) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"omnireduce-worker-r{rank}"]
+
+
+def test_sharded_worker_has_one_thread(shards: list[Aggregator]) -> None:
+    addresses = [a.address for a in shards]
+    before = len(_worker_threads(7))
+    w = connect(addresses, rank=7, world_size=8, job="one-thread", timeout=10, **SMALL)
+    try:
+        assert isinstance(w, ShardedWorker)
+        assert len(_worker_threads(7)) == before + 1
+        assert {s._connection._loop for s in w.shards} == {w._loop}
+    finally:
+        w.close()
+    deadline = time.monotonic() + 5
+    while len(_worker_threads(7)) > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_worker_threads(7)) == before
+
+
+def test_shared_loop_sums_like_separate_threads(shards: list[Aggregator]) -> None:
+    addresses = [a.address for a in shards]
+    rng = np.random.default_rng(3)
+    inputs = [[rng.standard_normal(1000).astype(np.float32) * (rng.random(1000) < 0.3) for _ in range(5)]
+              for _ in range(2)]
+
+    def rank(r: int) -> list[np.ndarray]:
+        with connect(addresses, rank=r, world_size=2, job="shared-loop", timeout=10, **SMALL) as w:
+            futures = [w.allreduce_async(x) for x in inputs[r]]
+            return [f.result(timeout=20) for f in futures]
+
+    results = run_ranks(2, rank)
+    for k in range(5):
+        np.testing.assert_array_equal(results[0][k], inputs[0][k] + inputs[1][k])
+        np.testing.assert_array_equal(results[1][k], results[0][k])
+
+
+def test_loop_death_fails_every_shard_and_later_ops(shards: list[Aggregator],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the thread fails the ops pending on every shard, refuses later ops, and close returns."""
+    addresses = [a.address for a in shards[:2]]
+    w = connect(addresses, rank=0, world_size=2, job="loop-death", timeout=10, **SMALL)
+    try:
+        boom = RuntimeError("injected bug")
+        calls = {"n": 0}
+        original = Connection._take
+
+        def take(self: Connection, sub: Any) -> None:
+            calls["n"] += 1
+            original(self, sub)
+            if calls["n"] == 2:  # after both shards' halves of the op started
+                raise boom
+
+        monkeypatch.setattr(Connection, "_take", take)
+        fut = w.allreduce_async(np.ones(100, np.float32))
+        with pytest.raises(WorkerClosedError, match="communication thread died"):
+            fut.result(timeout=10)
+        with pytest.raises(WorkerClosedError):
+            w.allreduce_async(np.ones(100, np.float32))
+    finally:
+        t0 = time.monotonic()
+        w.close()
+        assert time.monotonic() - t0 < 5
+
+
+def test_close_from_a_callback_does_not_deadlock(aggregator: Aggregator) -> None:
+    """A callback on the communication thread may close the worker; the close happens after it."""
+
+    def rank(r: int) -> BaseException | None:
+        w = Worker(aggregator.address, rank=r, world_size=2, job="cb-close", timeout=10, **SMALL)
+        closed = threading.Event()
+        fut: Future = w.allreduce_async(np.ones(50, np.float32))
+        fut.add_done_callback(lambda _f: (w.close(), closed.set()))
+        fut.result(timeout=10)
+        assert closed.wait(5)
+        with pytest.raises(WorkerClosedError):
+            w.allreduce_async(np.ones(50, np.float32))
+        w.close()
+        return None
+
+    before = len(_worker_threads(0)) + len(_worker_threads(1))
+    run_ranks(2, rank)
+    deadline = time.monotonic() + 5
+    while len(_worker_threads(0)) + len(_worker_threads(1)) > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_worker_threads(0)) + len(_worker_threads(1)) == before
+
+
+def test_attach_to_closed_loop_is_refused(aggregator: Aggregator) -> None:
+    loop = CommLoop(name="omnireduce-worker-test")
+    loop.close()
+    with pytest.raises(WorkerClosedError):
+        Worker(aggregator.address, rank=0, world_size=1, job="closed-loop", loop=loop, **SMALL)

@@ -1,0 +1,214 @@
+"""The communication thread: one thread serving the sockets of one or more connections.
+
+A :class:`CommLoop` owns one thread, one poller and one wake-up socket. Every
+:class:`worker.connection.Connection` attached to it hands its op requests to
+that thread, which polls all their sockets at once. A plain worker has a loop of
+its own; a sharded or co-located worker shares one loop among its shards'
+connections, so that an op split over ``S`` shards wakes one thread, not ``S``,
+and the shards' halves of the op run one after the other without contending for
+the GIL.
+
+If the thread dies (a bug), every op pending or queued on every attached
+connection fails with :class:`omnireduce.errors.WorkerClosedError` naming the
+cause, and every later submission is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from omnireduce.errors import WorkerClosedError
+
+if TYPE_CHECKING:
+    from worker.connection import Connection
+    from worker.op import OpRequest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CommLoop"]
+
+_wake_ids = itertools.count()
+# Queue items: (connection, what): what is _ATTACH, an OpRequest, or None (close the
+# connection); a bare None stops the loop.
+_ATTACH = object()
+_Item = tuple["Connection", Any] | None
+
+
+class CommLoop:
+    """One communication thread for the connections attached to it.
+
+    Args:
+        context: ZeroMQ context of the wake-up socket pair; a private one by default.
+            The connections' own sockets may belong to any context.
+        name: the thread's name.
+    """
+
+    def __init__(self, context: zmq.Context | None = None, name: str = "omnireduce-worker") -> None:
+        self._own_context = context is None
+        self._ctx = context if context is not None else zmq.Context()
+        wake = f"inproc://omnireduce-worker-wake-{id(self)}-{next(_wake_ids)}"
+        self._wake_recv = self._ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(wake)
+        self._wake_send = self._ctx.socket(zmq.PAIR)
+        self._wake_send.connect(wake)
+        self._wake_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        # Guards _channels, _stopping and _dead: no connection attaches to a dead or stopped loop.
+        self._lock = threading.Lock()
+        self._channels: list[Connection] = []
+        self._stopping = False
+        self._dead: BaseException | None = None
+        # Set when close() was called on the thread itself, which then cleans up on exit.
+        self._closed_here = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def on_thread(self) -> bool:
+        """Whether the caller runs on this loop's thread (e.g. in a future's callback)."""
+        return threading.current_thread() is self._thread
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def attach(self, conn: Connection) -> None:
+        """Hands ``conn``'s socket to the thread.
+
+        Raises:
+            WorkerClosedError: the loop is closed or its thread died.
+        """
+        with self._lock:
+            if self._stopping or self._dead is not None:
+                raise WorkerClosedError("the worker's communication thread is closed") from self._dead
+            self._channels.append(conn)
+            self._queue.put((conn, _ATTACH))
+        self.wake()
+
+    def put(self, conn: Connection, what: OpRequest | None) -> None:
+        """Queues an op request of ``conn`` (or, with None, its close); the caller holds ``conn``'s lock."""
+        self._queue.put((conn, what))
+
+    def wake(self) -> None:
+        with self._wake_lock:
+            try:
+                self._wake_send.send(b"", flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # a wake-up is already queued, or the thread is gone
+
+    def close(self) -> None:
+        """Stops the thread; connections still attached close as by their own ``close``."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._queue.put(None)
+        self.wake()
+        if self.on_thread:
+            self._closed_here = True
+            return  # the thread stops, and closes the wake-up socket, after the callback that closed it
+        self._thread.join()
+        self._close_wake_send()
+
+    def _close_wake_send(self) -> None:
+        with self._wake_lock:
+            if self._wake_send.closed:
+                return
+            self._wake_send.close()
+        if self._own_context:
+            self._ctx.term()
+
+    # Everything below runs on the thread only.
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_recv, zmq.POLLIN)
+        active: list[Connection] = []
+        try:
+            while True:
+                for ch in active:
+                    ch._poll_out(poller)
+                events = dict(poller.poll(_wait_ms(active)))
+                for ch in active:
+                    if ch._mon in events:
+                        ch._on_monitor()
+                if self._wake_recv in events:
+                    while self._wake_recv.poll(0):
+                        self._wake_recv.recv()
+                    if self._take(active, poller):
+                        return
+                for ch in active:
+                    if ch._sock in events:
+                        ch._receive()
+                for ch in active:
+                    ch._flush()
+                    ch._expire()
+        except Exception as e:
+            logger.exception("worker communication thread %s died", self._thread.name)
+            self._die(e, active, poller)
+        finally:
+            for ch in list(active):
+                self._finish(ch, active, poller, bye=True)
+            self._wake_recv.close()
+            if self._closed_here:
+                self._close_wake_send()
+
+    def _take(self, active: list[Connection], poller: zmq.Poller) -> bool:
+        """Takes the queued items; True once the loop is told to stop."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            if item is None:
+                return True
+            ch, what = item
+            if what is _ATTACH:
+                poller.register(ch._sock, zmq.POLLIN)
+                poller.register(ch._mon, zmq.POLLIN)
+                active.append(ch)
+                ch._on_attach()
+            elif what is None:
+                self._finish(ch, active, poller, bye=True)
+            else:
+                ch._take(what)
+
+    def _finish(self, ch: Connection, active: list[Connection], poller: zmq.Poller, bye: bool) -> None:
+        if ch in active:
+            active.remove(ch)
+            poller.unregister(ch._sock)
+            poller.unregister(ch._mon)
+        with self._lock:
+            if ch in self._channels:
+                self._channels.remove(ch)
+        ch._finish(bye)
+
+    def _die(self, error: BaseException, active: list[Connection], poller: zmq.Poller) -> None:
+        closed = WorkerClosedError(f"communication thread died: {error!r}")
+        with self._lock:
+            self._dead = error
+            channels = list(self._channels)
+        for ch in channels:
+            # Under each connection's lock: no submission can be queued after the drain below.
+            ch._mark_dead(error)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[1] is not None and item[1] is not _ATTACH:
+                item[0]._fail_request(item[1], closed)
+        for ch in channels:
+            ch._fail_pending(closed)
+            self._finish(ch, active, poller, bye=False)
+
+
+def _wait_ms(active: list[Connection]) -> int | None:
+    waits = [w for w in (ch._wait_ms() for ch in active) if w is not None]
+    return min(waits) if waits else None

@@ -60,7 +60,7 @@ def test_auto_mode_sends_dense_buckets_through_gloo(agg, tmp_path, monkeypatch) 
     # the test checks the mechanism, so the model's choice must not depend on the host.
     costs = CostParams(alpha=50e-6, beta=8e-9, full_duplex=True, cores=8).save(str(tmp_path / "costs.json"))
     monkeypatch.setenv("OMNIREDUCE_COSTS", costs)
-    results = run_procs("auto_case", 2, tmp_path, agg.address)
+    results = run_procs("auto_case", 2, tmp_path, agg.address, 8)
     for res in results:
         assert res["error"] is None
         torch.testing.assert_close(res["got"], res["expected"])
@@ -68,8 +68,25 @@ def test_auto_mode_sends_dense_buckets_through_gloo(agg, tmp_path, monkeypatch) 
         # Two buckets from step 1 on: the embedding's (a few rows of 100,000) and the MLP's (dense).
         assert unions[0] < 0.05 and unions[-1] > 0.9, res["unions"]
         # The dense bucket goes through gloo once its density is known; the sparse one never does.
-        assert res["paths"]["dense"] >= 3 and res["paths"]["sparse"] >= 5, res["paths"]
+        assert res["paths"]["dense"] >= 6 and res["paths"]["sparse"] >= 8, res["paths"]
+        # The ranks vote once per new density measurement of a bucket (at most one per sparse
+        # op), not at every bucket whose density is known (which would be 12 votes here).
+        assert 1 <= res["votes"] <= res["paths"]["sparse"], res
     assert results[0]["paths"] == results[1]["paths"]
+    assert results[0]["votes"] == results[1]["votes"]
+
+
+def test_auto_mode_ranks_that_disagree_take_the_sparse_path(agg, tmp_path, monkeypatch) -> None:
+    """A rank whose model always says sparse outvotes the others: no rank enters gloo alone."""
+    from omnireduce.model import CostParams
+
+    costs = CostParams(alpha=50e-6, beta=8e-9, full_duplex=True, cores=8).save(str(tmp_path / "costs.json"))
+    monkeypatch.setenv("OMNIREDUCE_COSTS", costs)
+    results = run_procs("auto_case", 2, tmp_path, agg.address, 5, 1)
+    for res in results:
+        assert res["error"] is None
+        torch.testing.assert_close(res["got"], res["expected"])
+        assert res["paths"]["dense"] == 0 and res["votes"] >= 1, res
 
 
 @pytest.mark.parametrize("world", [2, 3])

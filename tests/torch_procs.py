@@ -180,10 +180,18 @@ def backend_case(rank: int, world: int, address: str, steps: int = 4) -> dict[st
     return out
 
 
-def auto_case(rank: int, world: int, address: str, steps: int = 5) -> dict[str, Any]:
-    """DDP with the hook in auto mode (gloo as the dense path) against DDP on gloo alone."""
+def auto_case(rank: int, world: int, address: str, steps: int = 5, stubborn: int | None = None) -> dict[str, Any]:
+    """DDP with the hook in auto mode (gloo as the dense path) against DDP on gloo alone.
+
+    Rank ``stubborn``, if given, has a model that always predicts the sparse path faster.
+    """
     from worker import Worker
     from worker.ddp import OmniReduceState, omnireduce_hook
+
+    if rank == stubborn:
+        import worker.auto
+
+        worker.auto.model.choose_path = lambda *_a, **_k: ("sparse", 0.0, 1.0)
 
     def model() -> nn.Module:
         m = _model(vocab=100_000)  # the embedding's gradient: 64 rows of 100,000
@@ -200,7 +208,7 @@ def auto_case(rank: int, world: int, address: str, steps: int = 5) -> dict[str, 
         got = _train_ddp(ours, rank, steps, accumulate=False)
         unions = dict(state._chooser._union)
     return {"expected": expected, "got": got, "paths": dict(state.paths), "unions": unions,
-            "buckets": state.buckets, "error": state.error}
+            "buckets": state.buckets, "error": state.error, "votes": state.votes}
 
 
 def weighted_case(rank: int, world: int, address: str, steps: int = 3) -> dict[str, Any]:

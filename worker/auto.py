@@ -70,16 +70,30 @@ class PathChooser:
         self.layout = layout
         self._union: dict[Hashable, float] = {}
         self._calls: dict[Hashable, int] = {}
+        self._records: dict[Hashable, int] = {}
         self._lock = threading.Lock()
 
     def choose(self, key: Hashable, elements: int, element_size: int) -> str:
         """"sparse" or "dense" for the next op of ``key``; counts the call."""
+        return self.plan(key, elements, element_size)[0]
+
+    def plan(self, key: Hashable, elements: int, element_size: int) -> tuple[str, int | None]:
+        """The path for the next op of ``key``, and what the choice rests on; counts the call.
+
+        Returns:
+            ``(path, basis)``: ``basis`` is None when the op measures (the first op of
+            ``key``, or a probe: "sparse" on every rank, whatever the model says), else
+            how many densities of ``key`` were recorded. Every worker of a job records
+            the same densities at the same ops, so the basis is the same on every rank,
+            and a rank's choice changes only when the basis does.
+        """
         with self._lock:
             calls = self._calls.get(key, 0)
             self._calls[key] = calls + 1
             union = self._union.get(key)
+            records = self._records.get(key, 0)
         if union is None or calls % self.probe_every == 0:
-            return "sparse"
+            return "sparse", None
         # Each worker's own density, for random blocks, from the union the aggregator returned.
         density = 1.0 - (1.0 - min(union, 1.0)) ** (1.0 / max(1, self.world_size))
         path, sparse_s, dense_s = model.choose_path(
@@ -87,12 +101,13 @@ class PathChooser:
             element_size=element_size, union=union, **self.layout,
         )
         logger.debug("auto %r: union %.4f, sparse %.3g s, dense %.3g s -> %s", key, union, sparse_s, dense_s, path)
-        return path
+        return path, records
 
     def record(self, key: Hashable, union: float) -> None:
         """The union density a sparse op of ``key`` measured."""
         with self._lock:
             self._union[key] = union
+            self._records[key] = self._records.get(key, 0) + 1
 
     def union(self, key: Hashable) -> float | None:
         """The last union density recorded for ``key``."""

@@ -55,6 +55,8 @@ class OmniReduceState:
             the group.
         mode: "sparse" (default), "dense" or "auto".
         paths: how many buckets took each path ({"sparse": n, "dense": m}).
+        votes: how many times the ranks voted on a bucket's path in auto mode (once
+            per new density measurement of a bucket, not per step).
         error: the first error a bucket hit (None while all is well); once set,
             every later bucket fails at once with the same cause, so a loop can
             check ``state.error`` after catching the error from ``backward()``.
@@ -70,7 +72,7 @@ class OmniReduceState:
     """
 
     __slots__ = ("worker", "average", "samples", "dense_group", "mode", "paths", "error", "buckets", "_chooser",
-                 "_lock", "coalesce_sparse", "_held")
+                 "_lock", "coalesce_sparse", "_held", "votes", "_agreed")
 
     def __init__(
         self,
@@ -92,6 +94,9 @@ class OmniReduceState:
         self.dense_group = dense_group
         self.mode = mode
         self.paths = {"sparse": 0, "dense": 0}
+        self.votes = 0
+        # Per bucket key: (the measurement it rests on, the path the ranks agreed on).
+        self._agreed: dict[Any, tuple[int, str]] = {}
         self._chooser = (
             PathChooser(worker.world_size, ring_available=True, probe_every=probe_every,
                         block_size=worker.block_size, message_blocks=worker.message_blocks, streams=worker.streams)
@@ -184,20 +189,16 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
     what = f"allreduce of DDP bucket {bucket.index()} ({buf.numel()} x {buf.dtype})"
     key = (bucket.index(), buf.numel(), buf.dtype)
     if state.error is not None:
-        if state._chooser is not None and state._chooser.union(key) is not None:
-            # The other ranks wait in the agreement below: vote sparse, so that they go on to
+        if state._chooser is not None:
+            # The other ranks may wait in the agreement: vote sparse, so that they go on to
             # omnireduce (which fails within its timeout) instead of blocking in gloo.
-            dist.all_reduce(torch.zeros(1, dtype=torch.int32), op=dist.ReduceOp.MIN, group=state.dense_group)
+            _, basis = state._chooser.plan(key, buf.numel(), buf.element_size())
+            _agree(state, key, "sparse", basis)
         return _failed(f"omnireduce {what} skipped after an earlier failure: {state.error}")
     path = state.mode
     if state._chooser is not None:
-        path = state._chooser.choose(key, buf.numel(), buf.element_size())
-        if state._chooser.union(key) is not None:
-            # Every rank must take the same path (the dense one is a collective): ranks with
-            # different cost files could disagree, so they agree on dense only if all chose it.
-            flag = torch.tensor([int(path == "dense")], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=state.dense_group)
-            path = "dense" if flag.item() else "sparse"
+        path, basis = state._chooser.plan(key, buf.numel(), buf.element_size())
+        path = _agree(state, key, path, basis)
     state.paths[path] += 1
     if path == "dense":
         state.buckets += 1
@@ -228,6 +229,30 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
         # recorded before DDP can start the next step (and choose again).
         source.add_done_callback(measured)
     return complete_torch_future(source, buf, what, state)
+
+
+def _agree(state: OmniReduceState, key: Any, path: str, basis: int | None) -> str:
+    """The path every rank takes: dense only if every rank chose it.
+
+    The dense path is a collective, so every rank must take the same one, and ranks
+    with different cost files could choose differently. They vote (a one-int MIN
+    allreduce on the dense group) only when the choice rests on a new measurement:
+    every rank records the same densities at the same ops (see
+    :meth:`worker.auto.PathChooser.plan`), so every rank votes at the same buckets,
+    and between measurements the verdict stands. A synchronous collective in every
+    bucket of every step would stall backward on every rank.
+    """
+    if basis is None:
+        return path
+    agreed = state._agreed.get(key)
+    if agreed is not None and agreed[0] == basis:
+        return agreed[1]
+    flag = torch.tensor([int(path == "dense")], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=state.dense_group)
+    state.votes += 1
+    path = "dense" if flag.item() else "sparse"
+    state._agreed[key] = (basis, path)
+    return path
 
 
 def _failed(message: str) -> torch.futures.Future[torch.Tensor]:

@@ -13,6 +13,7 @@ import pytest
 from aggregator import Aggregator
 from omnireduce import WorkerClosedError
 from tests.helpers import run_ranks
+from tests.test_sharding import _reduce_all
 from worker import ShardedWorker, Worker, connect
 from worker.connection import Connection
 from worker.loop import CommLoop
@@ -41,17 +42,10 @@ def test_sharded_worker_has_one_thread(shards: list[Aggregator]) -> None:
 
 
 def test_shared_loop_sums_like_separate_threads(shards: list[Aggregator]) -> None:
-    addresses = [a.address for a in shards]
     rng = np.random.default_rng(3)
     inputs = [[rng.standard_normal(1000).astype(np.float32) * (rng.random(1000) < 0.3) for _ in range(5)]
               for _ in range(2)]
-
-    def rank(r: int) -> list[np.ndarray]:
-        with connect(addresses, rank=r, world_size=2, job="shared-loop", timeout=10, **SMALL) as w:
-            futures = [w.allreduce_async(x) for x in inputs[r]]
-            return [f.result(timeout=20) for f in futures]
-
-    results = run_ranks(2, rank)
+    results = _reduce_all([a.address for a in shards], 2, "shared-loop", inputs)
     for k in range(5):
         np.testing.assert_array_equal(results[0][k], inputs[0][k] + inputs[1][k])
         np.testing.assert_array_equal(results[1][k], results[0][k])

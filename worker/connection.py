@@ -54,7 +54,7 @@ from omnireduce.protocol import (
     decode,
     encode,
 )
-from worker.loop import CommLoop
+from worker.loop import CommLoop, fail_future
 from worker.op import OpRequest, WorkerOp
 from worker.settings import WorkerSettings
 from worker.stats import Stats
@@ -226,20 +226,16 @@ class Connection:
         with self._lock:
             self._dead = error
 
-    def _fail_request(self, request: OpRequest, error: BaseException) -> None:
-        _fail_future(request.future, error)
-
-    def _fail_pending(self, error: BaseException) -> None:
-        for p in self._pending.values():
-            _fail_future(p.request.future, error)
-        self._pending.clear()
-
-    def _finish(self, bye: bool) -> None:
-        """Fails what is pending, says goodbye if asked and connected, and closes the socket."""
+    def _finish(self, bye: bool, error: BaseException | None = None) -> None:
+        """Fails what is pending (with ``error``, else as closed), says goodbye if asked and
+        connected, and closes the socket."""
         try:
-            self._fail_pending(WorkerClosedError(
-                f"worker rank {self.rank} of job {self.job!r} closed with ops {sorted(self._pending)} pending"
-            ))
+            if error is None:
+                error = WorkerClosedError(
+                    f"worker rank {self.rank} of job {self.job!r} closed with ops {sorted(self._pending)} pending")
+            for p in self._pending.values():
+                fail_future(p.request.future, error)
+            self._pending.clear()
             if bye and self._connected:
                 self._say_bye()
             transport.close_monitored(self._sock, self._mon)
@@ -281,7 +277,7 @@ class Connection:
         """Fails a pending op and forgets its queued messages."""
         p = self._pending.pop(op, None)
         if p is not None:
-            _fail_future(p.request.future, error)
+            fail_future(p.request.future, error)
         if any(o == op for o, _ in self._outbox):
             self._outbox = collections.deque(item for item in self._outbox if item[0] != op)
 
@@ -442,7 +438,3 @@ class Connection:
                     f"no answer from the aggregator at {self.address} for {self.timeout:g} s{how}", job=self.job, op=op,
                 ))
 
-
-def _fail_future(fut: Future, error: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(error)

@@ -19,6 +19,7 @@ import itertools
 import logging
 import queue
 import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CommLoop"]
+__all__ = ["CommLoop", "fail_future"]
 
 _wake_ids = itertools.count()
 # Queue items: (connection, what): what is _ATTACH, an OpRequest, or None (close the
@@ -179,7 +180,8 @@ class CommLoop:
             else:
                 ch._take(what)
 
-    def _finish(self, ch: Connection, active: list[Connection], poller: zmq.Poller, bye: bool) -> None:
+    def _finish(self, ch: Connection, active: list[Connection], poller: zmq.Poller, bye: bool,
+                error: BaseException | None = None) -> None:
         if ch in active:
             active.remove(ch)
             poller.unregister(ch._sock)
@@ -187,7 +189,7 @@ class CommLoop:
         with self._lock:
             if ch in self._channels:
                 self._channels.remove(ch)
-        ch._finish(bye)
+        ch._finish(bye, error)
 
     def _die(self, error: BaseException, active: list[Connection], poller: zmq.Poller) -> None:
         closed = WorkerClosedError(f"communication thread died: {error!r}")
@@ -203,12 +205,17 @@ class CommLoop:
             except queue.Empty:
                 break
             if item is not None and item[1] is not None and item[1] is not _ATTACH:
-                item[0]._fail_request(item[1], closed)
+                fail_future(item[1].future, closed)
         for ch in channels:
-            ch._fail_pending(closed)
-            self._finish(ch, active, poller, bye=False)
+            self._finish(ch, active, poller, bye=False, error=closed)
 
 
 def _wait_ms(active: list[Connection]) -> int | None:
     waits = [w for w in (ch._wait_ms() for ch in active) if w is not None]
     return min(waits) if waits else None
+
+
+def fail_future(fut: Future, error: BaseException) -> None:
+    """Fails ``fut`` with ``error`` unless it is done already."""
+    if not fut.done():
+        fut.set_exception(error)

@@ -198,6 +198,10 @@ def summarise(steps: list[dict[str, Any]], params: list[dict[str, Any]], warmup:
             for rival in ("gloo-dense", "gloo-sparse"):
                 if rival in clocks and med > 0:
                     row[f"x_{rival}"] = clocks[rival][0] / med
+            phased = [e["phases"] for e in timed if e.get("phases")]
+            if phased:
+                # Medians of rank 0's phases, each on its own (they need not add up to the step's median).
+                row["phases_ms"] = {k: 1e3 * statistics.median(p[k] for p in phased) for k in phased[0]}
             if events[-1].get("paths"):
                 row["paths"] = events[-1]["paths"]
             rows.append(row)
@@ -248,16 +252,17 @@ def _write(out: str, args: argparse.Namespace, steps: list[dict[str, Any]], para
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'model':6} {'rate':8} {'w':>2} {'system':22} {'step ms':>9} {'x dense':>8} {'x sparse':>9} "
-            f"{'MB/step':>8} {'loss':>7} {'to target s':>11} {'param diff':>10}")
+            f"{'MB/step':>8} {'loss':>7} {'to target s':>11} {'param diff':>10} {'fwd/bwd/tail/opt ms':>21}")
     lines = [head, "-" * len(head)]
     for r in rows:
         mb = "" if r["link_bytes_per_step"] is None else f"{r['link_bytes_per_step'] / 1e6:.1f}"
         tt = "" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
         gap = "" if r["max_abs_param_diff"] is None else f"{r['max_abs_param_diff']:.1e}"
+        phases = "/".join(f"{v:.0f}" for v in r["phases_ms"].values()) if r.get("phases_ms") else ""
         lines.append(
             f"{r['model']:6} {r['rate']:8} {r['workers']:>2} {r['system']:22} {1e3 * r['step_s_median']:9.1f} "
             f"{r.get('x_gloo-dense', float('nan')):8.2f} {r.get('x_gloo-sparse', float('nan')):9.2f} {mb:>8} "
-            f"{r['final_loss']:7.4f} {tt:>11} {gap:>10}")
+            f"{r['final_loss']:7.4f} {tt:>11} {gap:>10} {phases:>21}")
     return "\n".join(lines)
 
 

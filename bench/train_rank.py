@@ -43,7 +43,7 @@ from bench import train_models
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SYSTEMS", "SPARSE_SYSTEMS", "COLOCATED_SYSTEMS", "Replica", "net_bytes", "run"]
+__all__ = ["SYSTEMS", "SPARSE_SYSTEMS", "COLOCATED_SYSTEMS", "PHASES", "Replica", "net_bytes", "run"]
 
 SYSTEMS = (
     "gloo-dense", "gloo-sparse", "omnireduce", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto",
@@ -55,6 +55,9 @@ SPARSE_SYSTEMS = frozenset({
 })
 #: The systems whose ranks serve the aggregator shards themselves.
 COLOCATED_SYSTEMS = frozenset({"omnireduce-colocated", "omnireduce-colocated-auto"})
+#: Rank 0's step in phases (a step event's ``phases``): forward, backward until the last
+#: gradient is computed, backward's wait for communication after it, optimizer step.
+PHASES = ("forward", "backward", "tail", "optimizer")
 #: The system the others' parameters are compared with.
 REFERENCE = "gloo-dense"
 
@@ -93,6 +96,10 @@ class Replica:
     metric: float = 0.0
     received: int | None = None
     sent: int | None = None
+    #: This rank's last step in phases (seconds): forward, backward until the last
+    #: gradient was computed, the communication left after it, optimizer.
+    phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    last_grad: float = 0.0
 
     def close(self) -> None:
         if self.worker is not None:
@@ -112,6 +119,14 @@ def _replica(system: str, spec: train_models.ModelSpec, cfg: dict[str, Any], ran
     else:
         optimizer = spec.optimizer(model.parameters())
     replica = Replica(system, model, optimizer)
+
+    def grad_ready(_: torch.Tensor) -> None:
+        replica.last_grad = time.perf_counter()
+
+    # The time the last gradient was computed: what backward() spends after it is
+    # communication that did not overlap the computation.
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(grad_ready)
     if system.startswith("omnireduce"):
         from worker import connect
         from worker.colocated import torch_exchange
@@ -136,9 +151,14 @@ def _step(replica: Replica, spec: train_models.ModelSpec, batch: tuple[torch.Ten
     t0 = time.perf_counter()
     replica.optimizer.zero_grad(set_to_none=True)
     loss, metric = spec.loss(replica.model, batch)
+    t1 = time.perf_counter()
     loss.backward()
+    t2 = time.perf_counter()
     replica.optimizer.step()
-    replica.seconds = time.perf_counter() - t0
+    t3 = time.perf_counter()
+    replica.seconds = t3 - t0
+    grads = min(max(replica.last_grad, t1), t2)
+    replica.phases = (t1 - t0, grads - t1, t2 - grads, t3 - t2)
     after = net_bytes(iface)
     replica.loss = float(loss.detach())
     replica.metric = float(metric)
@@ -198,6 +218,7 @@ def run(cfg: dict[str, Any]) -> None:
                         "type": "step", "system": r.system, "step": step, "seconds": float(seconds[i]),
                         "loss": float(values[i, 0]), "metric": float(values[i, 1]), "samples": batch_size * world,
                         "bytes_sent": r.sent, "bytes_received": r.received,
+                        "phases": dict(zip(PHASES, r.phases, strict=True)),
                     }
                     if r.worker is not None and r.worker.stats.total is not None:
                         total = r.worker.stats.total

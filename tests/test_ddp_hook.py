@@ -73,3 +73,45 @@ def test_consecutive_sparse_gradients_are_one_op() -> None:
     for f in [omnireduce_hook(state, b) for b in buckets]:
         f.wait()
     assert _kinds(w.calls) == [("dense", 8), ("rows", 30)]
+
+
+def test_after_the_first_pass_a_sparse_gradient_followed_by_a_dense_bucket_goes_out_at_once() -> None:
+    w = _Worker()
+    state = OmniReduceState(w)
+
+    def buckets() -> list[_Bucket]:
+        return [_Bucket(0, _sparse([1, 3]), False), _Bucket(1, torch.ones(8), False),
+                _Bucket(2, _sparse([2], num_rows=6), False), _Bucket(3, _sparse([0, 5], num_rows=6), True)]
+
+    first = buckets()
+    omnireduce_hook(state, first[0])
+    # The first pass cannot know what follows: the table waits for the next bucket.
+    assert w.calls == []
+    for b in first[1:]:
+        omnireduce_hook(state, b)
+    w.calls.clear()
+    second = buckets()
+    futures = [omnireduce_hook(state, second[0])]
+    # The previous pass says a dense bucket follows: the table goes out before backward reaches it.
+    assert _kinds(w.calls) == [("rows", 10)]
+    futures.append(omnireduce_hook(state, second[1]))
+    futures.append(omnireduce_hook(state, second[2]))
+    # A sparse one follows bucket 2: it is held, and joined with bucket 3's rows.
+    assert _kinds(w.calls) == [("rows", 10), ("dense", 8)]
+    futures.append(omnireduce_hook(state, second[3]))
+    assert _kinds(w.calls) == [("rows", 10), ("dense", 8), ("rows", 12)]
+    for b, f in zip(second, futures, strict=True):
+        got, want = f.wait(), b.buffer()
+        assert torch.equal(got.to_dense(), want.to_dense()) if want.is_sparse else torch.equal(got, want)
+
+
+def test_a_pass_that_differs_from_the_previous_one_still_sends_every_gradient() -> None:
+    w = _Worker()
+    state = OmniReduceState(w)
+    for b in [_Bucket(0, _sparse([1]), False), _Bucket(1, torch.ones(8), True)]:
+        omnireduce_hook(state, b)
+    w.calls.clear()
+    # Now two sparse buckets come where the last pass had a sparse and a dense one.
+    futures = [omnireduce_hook(state, b) for b in [_Bucket(0, _sparse([1]), False), _Bucket(1, _sparse([2]), True)]]
+    assert _kinds(w.calls) == [("rows", 10), ("rows", 10)]
+    assert [sorted(f.wait().coalesce().indices()[0].tolist()) for f in futures] == [[1], [2]]

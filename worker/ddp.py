@@ -65,14 +65,18 @@ class OmniReduceState:
             another (it gives each its own bucket: one per embedding table) as one op
             per row shape and dtype, the tables' rows numbered one after the other,
             instead of one op each: a model of 26 tables pays one op's fixed cost, not
-            26. A run of them is held until the next dense bucket or the pass's last
-            bucket (every rank sees the same buckets in the same order), so a table
-            whose gradient is ready early (a sampled softmax's output embedding) still
-            goes out while backward computes the layers below it.
+            26. A sparse gradient is held only while another sparse one follows it: the
+            previous backward pass's buckets say which does (DDP's buckets keep their
+            order once rebuilt after the first step; in the first pass a run is held
+            until the next dense bucket or the pass's last). So a table whose gradient
+            is ready early (a sampled softmax's output embedding) goes out at once,
+            while backward computes the layers below it, instead of waiting for the
+            next dense bucket. Every rank sees the same buckets in the same order, so
+            the ranks' ops match.
     """
 
     __slots__ = ("worker", "average", "samples", "dense_group", "mode", "paths", "error", "buckets", "_chooser",
-                 "_lock", "coalesce_sparse", "_held", "votes", "_agreed")
+                 "_lock", "coalesce_sparse", "_held", "votes", "_agreed", "_kinds", "_last_kinds")
 
     def __init__(
         self,
@@ -108,6 +112,9 @@ class OmniReduceState:
         self.coalesce_sparse = coalesce_sparse
         # Sparse gradients waiting for the next dense bucket or the pass's last: (bucket index, gradient, its future).
         self._held: list[tuple[int, torch.Tensor, ConcurrentFuture]] = []
+        # Bucket index -> whether it is sparse: this backward pass's so far, and the previous pass's.
+        self._kinds: dict[int, bool] = {}
+        self._last_kinds: dict[int, bool] | None = None
 
     def record(self, error: BaseException) -> None:
         with self._lock:
@@ -172,14 +179,26 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
     Returns:
         A future completed with ``bucket.buffer()`` once the sum is in it.
     """
-    if state._held and not bucket.buffer().is_sparse:
+    sparse = bucket.buffer().is_sparse
+    if state._held and not sparse:
         # A dense bucket ends the run of sparse ones: they go out now, before it.
         _send_held(state)
+    index = bucket.index()
+    state._kinds[index] = sparse
     try:
         return _hook(state, bucket)
     finally:
-        if bucket.is_last() and state._held:
+        if state._held and (bucket.is_last() or not _sparse_follows(state, index)):
             _send_held(state)
+        if bucket.is_last():
+            state._last_kinds, state._kinds = state._kinds, {}
+
+
+def _sparse_follows(state: OmniReduceState, index: int) -> bool:
+    """Whether a sparse bucket follows bucket ``index``, as far as the previous pass says (first pass: yes)."""
+    if state._last_kinds is None:
+        return True
+    return state._last_kinds.get(index + 1, False)
 
 
 def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

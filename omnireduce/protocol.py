@@ -91,7 +91,9 @@ assert sys.byteorder == "little", "omnireduce's wire format assumes a little-end
 #: 4: eager STARTs of one-row layouts (blocks with the pointers; one round trip).
 #: 5: an eager op's STARTs carry runs of streams (``Start.stream``, ``stream_count``), each within
 #: one message's worth of blocks; RESULTs of eager streams that complete together are merged.
-PROTOCOL_VERSION = 5
+#: 6: a sharded rows op deals rows to the shards round-robin (row r to shard r % S) instead of
+#: in ranges: the messages are the same, but a shard of 5 would sum other rows than one of 6.
+PROTOCOL_VERSION = 6
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
 MAX_HEADER_BYTES = 4096

@@ -235,6 +235,33 @@ def test_to_dense_slice_and_join_round_trip(row_shape: tuple[int, ...]) -> None:
     np.testing.assert_array_equal(j.to_dense(), m.to_dense())
 
 
+@pytest.mark.parametrize("row_shape", [(), (3,), (2, 5)])
+def test_deal_and_undeal_round_trip(row_shape: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(12)
+    num_rows = 23
+    s = make_rows(rng, num_rows, random_rows(rng, num_rows, 0.5), row_shape, np.float32)
+    dense = s.to_dense()
+    for shards in (1, 2, 3, 5, 30):  # 30: more shards than rows, some parts empty
+        parts = s.deal(shards)
+        assert len(parts) == shards
+        for k, p in enumerate(parts):
+            # Part k holds rows k, k + shards, ... renumbered 0, 1, ...
+            assert p.num_rows == len(range(k, num_rows, shards)) and p.row_shape == s.row_shape
+            assert p.dtype == s.dtype and bool((np.diff(p.rows) > 0).all())
+            np.testing.assert_array_equal(p.to_dense(), dense[k::shards])
+        back = SparseRows.undeal(parts, num_rows, (num_rows, *row_shape))
+        np.testing.assert_array_equal(back.rows, s.rows)
+        np.testing.assert_array_equal(back.values, s.values)
+        assert back.dense_shape == s.dense_shape and back.dtype == s.dtype
+
+
+def test_deal_spreads_a_table_whose_rows_come_first() -> None:
+    # The first 1,000 rows of a million (a vocabulary sorted by frequency): ranges would
+    # give them all to shard 0.
+    s = SparseRows(np.arange(1000, dtype=np.int64), np.ones((1000, 2), np.float32), 1_000_000)
+    assert [len(p.rows) for p in s.deal(4)] == [250, 250, 250, 250]
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -476,11 +503,11 @@ def test_inplace_and_out_are_refused_before_an_op_number(aggregator: Aggregator,
 
 
 def _topology_cases(world: int) -> list[tuple[str, list[Any], bool]]:
-    """(name, one input per rank, whether weighted by rank + 1): rows at the chunk boundaries
-    of 1, 2 and 3 shards."""
+    """(name, one input per rank, whether weighted by rank + 1): rows on every shard of 1, 2 and
+    3 (rows are dealt round-robin), ranks sharing some of them."""
     rng = np.random.default_rng(7)
     cases: list[tuple[str, list[Any], bool]] = []
-    # 10 rows: two shards split at 5, three at 3 and 6. Each rank gives its own boundary rows.
+    # 10 rows: both residues of 2 and all three of 3, on every rank, with rows of their own.
     edges = [[0, 4, 5, 9], [2, 3, 5, 6], [5, 6, 9]]
     for dtype in (np.float32, np.int64, np.float16):
         cases.append((f"edges_{np.dtype(dtype).name}",
@@ -497,8 +524,8 @@ def _topology_cases(world: int) -> list[tuple[str, list[Any], bool]]:
         randn.append(SparseRows(rows, rng.standard_normal((len(rows), 5)).astype(np.float32), 50))
     cases.append(("randn", randn, False))
     cases.append(("weighted", randn, True))
-    # Sparse torch tensors: a 4 x 5 matrix (20 flat rows: two shards split at 10, three at 6 and 13)
-    # with entries on both sides of every split, and bf16 embedding rows.
+    # Sparse torch tensors: a 4 x 5 matrix (20 flat rows, dealt to two or three shards), and bf16
+    # embedding rows.
     boundary = [[(1, 4), (2, 0), (3, 4)], [(1, 0), (1, 1), (2, 0)], [(0, 0), (2, 2), (2, 3)]]
     mats = []
     for r in range(world):

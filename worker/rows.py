@@ -127,6 +127,47 @@ class SparseRows:
         values = np.concatenate([p.values for p in parts])
         return SparseRows(rows, values, num_rows, shape, parts[0].dtype)
 
+    def deal(self, parts: int) -> list[SparseRows]:
+        """The rows dealt round-robin: row ``r`` becomes row ``r // parts`` of part ``r % parts``.
+
+        A sharded op's chunks. Contiguous ranges would give one shard most of the rows
+        of a table whose frequent ids come first (a vocabulary sorted by frequency), and
+        its link most of the traffic; dealt rows spread any such skew evenly.
+        """
+        if parts == 1:
+            return [self]
+        shard = self.rows % parts
+        # Grouped by part, rows ascending within each (a stable sort; radix on small keys).
+        order = np.argsort(shard.astype(np.uint16 if parts <= 1 << 16 else np.int64), kind="stable")
+        edges = np.zeros(parts + 1, dtype=np.int64)
+        np.cumsum(np.bincount(shard, minlength=parts), out=edges[1:])
+        rows = self.rows[order] // parts
+        values = self.values.take(order, axis=0)
+        return [
+            SparseRows(rows[edges[k] : edges[k + 1]], values[edges[k] : edges[k + 1]],
+                       (self.num_rows - k + parts - 1) // parts, dtype=self.dtype)
+            for k in range(parts)
+        ]
+
+    @staticmethod
+    def undeal(parts: list[SparseRows], num_rows: int, shape: tuple[int, ...] | None) -> SparseRows:
+        """The tensor whose :meth:`deal` into ``len(parts)`` parts gave ``parts``: one copy of the values."""
+        n = len(parts)
+        if n == 1:
+            p = parts[0]
+            return SparseRows(p.rows, p.values, num_rows, shape, p.dtype)
+        rows = np.concatenate([p.rows * n + k for k, p in enumerate(parts)])
+        order = np.argsort(rows)
+        # Where each part's rows land in the sorted result.
+        place = np.empty_like(order)
+        place[order] = np.arange(len(order))
+        values = np.empty((len(rows), *parts[0].row_shape), dtype=parts[0].values.dtype)
+        start = 0
+        for p in parts:
+            values[place[start : start + len(p.rows)]] = p.values
+            start += len(p.rows)
+        return SparseRows(rows[order], values, num_rows, shape, parts[0].dtype)
+
     @classmethod
     def from_torch(cls, t: Any) -> SparseRows:
         """A sparse COO torch tensor (CPU) as rows: its sparse dimensions flattened into one.

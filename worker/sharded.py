@@ -14,6 +14,10 @@ keep every shard's result a plain slice of the output, so the sums are written
 in place with no gather step, and results are bit for bit those of one
 aggregator (a block's sum does not depend on which aggregator computes it).
 
+The rows of a row-sparse tensor (:class:`worker.rows.SparseRows`, a sparse COO
+tensor) are dealt instead: row ``r`` to shard ``r % S`` (:meth:`SparseRows.deal`),
+so that a table whose frequent rows come first does not load one shard and its link.
+
 Every shard gets a chunk, possibly empty, for every op, so that the op numbers
 of all shards stay equal to the sharded worker's op numbers.
 
@@ -310,15 +314,16 @@ class ShardedWorker(SettingsView):
         )
 
     def _split_rows(self, x: Any, inplace: bool, out: Any) -> tuple[list[Any], Any]:
-        # Chunk k is a contiguous range of rows, as a dense tensor's chunk is of blocks
-        # (a row is a block); each shard returns the union of its range's rows.
+        # Rows are dealt round-robin (row r to shard r % S), not cut in ranges as a dense
+        # tensor's blocks are: an embedding's frequent rows often come first, and ranges
+        # would load one shard (and its link) with most of them. Each shard returns the
+        # union of its rows.
         data = rows_op_data(x, inplace, out)
         rows = data.x
-        bounds = shard_bounds(rows.num_rows, 1, len(self.shards))
-        chunks = [rows.slice_rows(lo, hi) for lo, hi in bounds]
+        chunks = rows.deal(len(self.shards))
 
         def finish(results: list[SparseRows]) -> Any:
-            joined = SparseRows.join(results, [lo for lo, _ in bounds], rows.num_rows, rows.shape)
+            joined = SparseRows.undeal(results, rows.num_rows, rows.shape)
             return joined if data.sparse_dim is None else joined.to_torch(data.sparse_dim)
 
         return chunks, finish

@@ -200,7 +200,7 @@ def summarise(steps: list[dict[str, Any]], params: list[dict[str, Any]], warmup:
                     row[f"x_{rival}"] = clocks[rival][0] / med
             phased = [e["phases"] for e in timed if e.get("phases")]
             if phased:
-                # Medians of rank 0's phases, each on its own (they need not add up to the step's median).
+                # Medians of the slowest rank's phases, each on its own (they need not add up to the step's median).
                 row["phases_ms"] = {k: 1e3 * statistics.median(p[k] for p in phased) for k in phased[0]}
             if events[-1].get("paths"):
                 row["paths"] = events[-1]["paths"]

@@ -55,7 +55,7 @@ SPARSE_SYSTEMS = frozenset({
 })
 #: The systems whose ranks serve the aggregator shards themselves.
 COLOCATED_SYSTEMS = frozenset({"omnireduce-colocated", "omnireduce-colocated-auto"})
-#: Rank 0's step in phases (a step event's ``phases``): forward, backward until the last
+#: The slowest rank's step in phases (a step event's ``phases``): forward, backward until the last
 #: gradient is computed, backward's wait for communication after it, optimizer step.
 PHASES = ("forward", "backward", "tail", "optimizer")
 #: The system the others' parameters are compared with.
@@ -210,15 +210,20 @@ def run(cfg: dict[str, Any]) -> None:
             values = torch.tensor([[r.loss, r.metric] for r in replicas], dtype=torch.float64)
             dist.all_reduce(values)
             values /= world
-            seconds = torch.tensor([r.seconds for r in replicas], dtype=torch.float64)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            # Every rank's time and phases: the step's time is the slowest rank's, and so are its phases.
+            timing = torch.zeros(world, len(replicas), 1 + len(PHASES), dtype=torch.float64)
+            timing[rank] = torch.tensor([[r.seconds, *r.phases] for r in replicas], dtype=torch.float64)
+            dist.all_reduce(timing)
+            slowest = timing[:, :, 0].argmax(dim=0)
+            seconds = timing[slowest, torch.arange(len(replicas)), 0]
             if rank == 0:
                 for i, r in enumerate(replicas):
                     event: dict[str, Any] = {
                         "type": "step", "system": r.system, "step": step, "seconds": float(seconds[i]),
                         "loss": float(values[i, 0]), "metric": float(values[i, 1]), "samples": batch_size * world,
                         "bytes_sent": r.sent, "bytes_received": r.received,
-                        "phases": dict(zip(PHASES, r.phases, strict=True)),
+                        "slowest_rank": int(slowest[i]),
+                        "phases": dict(zip(PHASES, timing[slowest[i], i, 1:].tolist(), strict=True)),
                     }
                     if r.worker is not None and r.worker.stats.total is not None:
                         total = r.worker.stats.total

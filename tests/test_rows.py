@@ -22,7 +22,7 @@ from omnireduce.dtypes import DType
 from tests.helpers import ThreadExchange, run_ranks
 from worker import Worker, connect
 from worker.colocated import ColocatedWorker
-from worker.rows import SparseRows, is_sparse_torch, rows_op_data
+from worker.rows import RowPieces, ShardChunk, SparseRows, is_sparse_torch, rows_op_data
 from worker.sharded import shard_bounds
 
 pytestmark = pytest.mark.timeout(60)
@@ -253,6 +253,27 @@ def test_deal_and_undeal_round_trip(row_shape: tuple[int, ...]) -> None:
         np.testing.assert_array_equal(back.rows, s.rows)
         np.testing.assert_array_equal(back.values, s.values)
         assert back.dense_shape == s.dense_shape and back.dtype == s.dtype
+
+
+def test_row_pieces_join_every_shard_in_one_pass() -> None:
+    rng = np.random.default_rng(13)
+    num_rows, shards = 40, 3
+    s = make_rows(rng, num_rows, random_rows(rng, num_rows, 0.6), (2,), np.float32)
+    results = []
+    for part in s.deal(shards):
+        chunk = ShardChunk(part.rows, part.values, part.num_rows, dtype=part.dtype)
+        # As a shard's op hands them back: several pieces, out of order (a rank's own rows
+        # land among the others'), each ascending.
+        cut = len(part.rows) // 2
+        pieces = [(part.rows[cut:], part.values[cut:].reshape(-1)), (part.rows[:cut], part.values[:cut].reshape(-1))]
+        results.append(RowPieces(pieces, chunk))
+    joined = RowPieces.join(results, num_rows, None)
+    np.testing.assert_array_equal(joined.rows, s.rows)
+    np.testing.assert_array_equal(joined.values, s.values)
+    # No rows anywhere: an empty tensor of the right row shape.
+    empty = RowPieces.join([RowPieces([], ShardChunk(_rows(), np.empty((0, 2), np.float32), 14)) for _ in range(3)],
+                           num_rows, None)
+    assert len(empty.rows) == 0 and empty.values.shape == (0, 2) and empty.num_rows == num_rows
 
 
 def test_deal_spreads_a_table_whose_rows_come_first() -> None:

@@ -29,7 +29,8 @@ from omnireduce.errors import ConfigError
 from omnireduce.layout import Layout
 from worker.tensors import from_storage, is_torch, to_flat
 
-__all__ = ["ROWS_MESSAGE_BYTES", "SparseRows", "RowsOpData", "is_rows", "is_sparse_torch", "rows_op_data"]
+__all__ = ["ROWS_MESSAGE_BYTES", "SparseRows", "ShardChunk", "RowPieces", "RowsOpData", "is_rows", "is_sparse_torch",
+           "rows_op_data"]
 
 #: Payload bytes a rows op's message carries at most (the aggregator refuses frames over
 #: 64 MiB by default); fewer, larger messages cut the fixed cost of a sparse op.
@@ -156,17 +157,8 @@ class SparseRows:
         if n == 1:
             p = parts[0]
             return SparseRows(p.rows, p.values, num_rows, shape, p.dtype)
-        rows = np.concatenate([p.rows * n + k for k, p in enumerate(parts)])
-        order = np.argsort(rows)
-        # Where each part's rows land in the sorted result.
-        place = np.empty_like(order)
-        place[order] = np.arange(len(order))
-        values = np.empty((len(rows), *parts[0].row_shape), dtype=parts[0].values.dtype)
-        start = 0
-        for p in parts:
-            values[place[start : start + len(p.rows)]] = p.values
-            start += len(p.rows)
-        return SparseRows(rows[order], values, num_rows, shape, parts[0].dtype)
+        pieces = [(p.rows, p.values) for p in parts]
+        return _placed(pieces, [k for k in range(n)], n, num_rows, shape, parts[0])
 
     @classmethod
     def from_torch(cls, t: Any) -> SparseRows:
@@ -208,6 +200,61 @@ class SparseRows:
         # Built from rows that are sorted and in range by construction: torch need not check them.
         return torch.sparse_coo_tensor(torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)), values, shape,
                                        is_coalesced=True, check_invariants=False)
+
+
+def _placed(pieces: list[tuple[np.ndarray, np.ndarray]], shard_of: list[int], parts: int, num_rows: int,
+            shape: tuple[int, ...] | None, like: SparseRows) -> SparseRows:
+    """Dealt pieces of rows joined in row order, in one copy of their values.
+
+    Args:
+        pieces: (local row ids, their values) of the parts, in any order.
+        shard_of: which part each piece comes from (its local row ``i`` is row ``i * parts + k``).
+        parts: how many parts the rows were dealt into.
+        num_rows: the joined tensor's row count.
+        shape: its dense shape.
+        like: a part, for the row shape and the dtypes.
+    """
+    row_shape = like.row_shape
+    if not pieces:
+        return SparseRows(np.empty(0, dtype=np.int64), np.empty((0, *row_shape), dtype=like.values.dtype),
+                          num_rows, shape, like.dtype)
+    rows = np.concatenate([ids * parts + k for (ids, _), k in zip(pieces, shard_of, strict=True)])
+    order = np.argsort(rows)
+    # Where each piece's rows land in the sorted result.
+    place = np.empty_like(order)
+    place[order] = np.arange(len(order))
+    values = np.empty((len(rows), *row_shape), dtype=like.values.dtype)
+    start = 0
+    for ids, v in pieces:
+        values[place[start : start + len(ids)]] = v.reshape(len(ids), *row_shape)
+        start += len(ids)
+    return SparseRows(rows[order], values, num_rows, shape, like.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardChunk(SparseRows):
+    """One shard's part of a sharded rows op (see :meth:`SparseRows.deal`).
+
+    Its op returns :class:`RowPieces`, the summed rows as they came in, so that the
+    sharded worker joins every shard's rows in one copy instead of each shard
+    joining its own first.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class RowPieces:
+    """A :class:`ShardChunk`'s summed rows, not joined: (row ids, values) as received, each
+    piece's ids ascending, the pieces disjoint and in any order."""
+
+    pieces: list[tuple[np.ndarray, np.ndarray]]
+    chunk: ShardChunk
+
+    @staticmethod
+    def join(results: list[RowPieces], num_rows: int, shape: tuple[int, ...] | None) -> SparseRows:
+        """The whole tensor from every shard's pieces (shard ``k``'s at ``k`` of ``len(results)``)."""
+        pieces = [piece for r in results for piece in r.pieces]
+        shard_of = [k for k, r in enumerate(results) for _ in r.pieces]
+        return _placed(pieces, shard_of, len(results), num_rows, shape, results[0].chunk)
 
 
 class RowsOpData:
@@ -293,7 +340,12 @@ class RowsOpData:
         return SparseRows(ids, values.reshape(len(ids), *width), self.x.num_rows, self.x.shape, self.dtype)
 
     def restore(self, _out: Any) -> Any:
-        """The result in the input's form: :class:`SparseRows`, or a sparse torch tensor."""
+        """The result in the input's form: :class:`SparseRows`, or a sparse torch tensor
+        (:class:`RowPieces` for a :class:`ShardChunk`)."""
+        if isinstance(self.x, ShardChunk):
+            pieces = list(zip(self._ids, self._payloads, strict=True))
+            self._ids, self._payloads = [], []
+            return RowPieces(pieces, self.x)
         result = self.finish()
         return result if self.sparse_dim is None else result.to_torch(self.sparse_dim)
 

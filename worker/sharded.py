@@ -43,7 +43,7 @@ from worker.client import Worker
 from worker.cuda import is_cuda_tensor
 from worker.loop import CommLoop
 from worker.op import check_destination, lazy_zeros, pages_written
-from worker.rows import SparseRows, is_rows, rows_op_data
+from worker.rows import RowPieces, ShardChunk, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
 from worker.stats import OpStats, Stats, merge_parallel
 from worker.tensors import is_torch, shares_memory, to_flat
@@ -320,10 +320,12 @@ class ShardedWorker(SettingsView):
         # union of its rows.
         data = rows_op_data(x, inplace, out)
         rows = data.x
-        chunks = rows.deal(len(self.shards))
+        # Shard chunks: each shard's op hands back its rows as received, and they are
+        # joined here in one copy (not one per shard and one more here).
+        chunks = [ShardChunk(p.rows, p.values, p.num_rows, dtype=p.dtype) for p in rows.deal(len(self.shards))]
 
-        def finish(results: list[SparseRows]) -> Any:
-            joined = SparseRows.undeal(results, rows.num_rows, rows.shape)
+        def finish(results: list[RowPieces]) -> Any:
+            joined = RowPieces.join(results, rows.num_rows, rows.shape)
             return joined if data.sparse_dim is None else joined.to_torch(data.sparse_dim)
 
         return chunks, finish

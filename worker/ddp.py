@@ -110,7 +110,7 @@ class OmniReduceState:
         self.buckets = 0
         self._lock = threading.Lock()
         self.coalesce_sparse = coalesce_sparse
-        # Sparse gradients waiting for the next dense bucket or the pass's last: (bucket index, gradient, its future).
+        # Sparse gradients held to go out in one op with the sparse ones after them: (index, gradient, future).
         self._held: list[tuple[int, torch.Tensor, ConcurrentFuture]] = []
         # Bucket index -> whether it is sparse: this backward pass's so far, and the previous pass's.
         self._kinds: dict[int, bool] = {}

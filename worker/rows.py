@@ -29,8 +29,7 @@ from omnireduce.errors import ConfigError
 from omnireduce.layout import Layout
 from worker.tensors import from_storage, is_torch, to_flat
 
-__all__ = ["ROWS_MESSAGE_BYTES", "SparseRows", "ShardChunk", "RowPieces", "RowsOpData", "is_rows", "is_sparse_torch",
-           "rows_op_data"]
+__all__ = ["ROWS_MESSAGE_BYTES", "SparseRows", "RowsOpData", "is_rows", "is_sparse_torch", "rows_op_data"]
 
 #: Payload bytes a rows op's message carries at most (the aggregator refuses frames over
 #: 64 MiB by default); fewer, larger messages cut the fixed cost of a sparse op.
@@ -117,7 +116,7 @@ class SparseRows:
         return out.reshape(self.dense_shape)
 
     def slice_rows(self, lo: int, hi: int) -> SparseRows:
-        """Rows ``[lo, hi)``, renumbered from 0 (a shard's chunk)."""
+        """Rows ``[lo, hi)``, renumbered from 0 (e.g. one table's rows of several joined)."""
         a, b = np.searchsorted(self.rows, [lo, hi])
         return SparseRows(self.rows[a:b] - lo, self.values[a:b], hi - lo, dtype=self.dtype)
 
@@ -233,7 +232,8 @@ def _placed(pieces: list[tuple[np.ndarray, np.ndarray]], shard_of: list[int], pa
 
 @dataclass(frozen=True, slots=True)
 class ShardChunk(SparseRows):
-    """One shard's part of a sharded rows op (see :meth:`SparseRows.deal`).
+    """One shard's part of a sharded rows op (see :meth:`SparseRows.deal`); internal to
+    :class:`worker.sharded.ShardedWorker`, not for callers of ``allreduce``.
 
     Its op returns :class:`RowPieces`, the summed rows as they came in, so that the
     sharded worker joins every shard's rows in one copy instead of each shard
@@ -243,8 +243,8 @@ class ShardChunk(SparseRows):
 
 @dataclass(frozen=True, slots=True)
 class RowPieces:
-    """A :class:`ShardChunk`'s summed rows, not joined: (row ids, values) as received, each
-    piece's ids ascending, the pieces disjoint and in any order."""
+    """A :class:`ShardChunk`'s summed rows, not joined: (row ids, values) as received, the
+    pieces disjoint, in any order, and their ids in any order."""
 
     pieces: list[tuple[np.ndarray, np.ndarray]]
     chunk: ShardChunk

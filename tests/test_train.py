@@ -74,6 +74,11 @@ def test_outputs_are_written(loopback_run: str) -> None:
     for r in summary:
         assert r["step_s_median"] > 0 and r["samples_per_s"] > 0
         assert r["link_bytes_per_step"] is None  # loopback: no per-rank interface to count
+        # The slowest rank's phases: each a real part of a step, none longer than the slowest step.
+        phases = r["phases_ms"]
+        assert list(phases) == ["forward", "backward", "tail", "optimizer"]
+        assert phases["forward"] > 0 and phases["backward"] > 0 and min(phases.values()) >= 0
+        assert sum(phases.values()) <= 1e3 * r["step_s_mean"] * STEPS
     for model in MODELS:
         assert os.path.getsize(os.path.join(loopback_run, f"loss-{model}-loopback-w2.png")) > 1000
 
@@ -101,6 +106,14 @@ def test_summary_speedups_and_time_to_target() -> None:
     assert rows["omnireduce"]["x_gloo-sparse"] == pytest.approx(2.0)
     assert rows["omnireduce"]["samples_per_s"] == pytest.approx(64 / 0.05)
     assert rows["omnireduce"]["link_bytes_per_step"] == 150
+
+
+def test_summary_phases_are_medians() -> None:
+    events = _events("omnireduce", [0.1, 0.1, 0.1], [1.0, 0.9, 0.8])
+    for e, tail in zip(events, [0.05, 0.01, 0.03], strict=True):
+        e["phases"] = {"forward": 0.02, "backward": 0.04, "tail": tail, "optimizer": 0.005}
+    (row,) = summarise(events, [], warmup=0)
+    assert row["phases_ms"] == pytest.approx({"forward": 20.0, "backward": 40.0, "tail": 30.0, "optimizer": 5.0})
 
 
 def test_smoothed_is_a_trailing_mean() -> None:

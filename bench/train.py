@@ -45,7 +45,7 @@ from bench.driver import (
     stop_all,
 )
 from bench.train_models import MODELS
-from bench.train_rank import COLOCATED_SYSTEMS, REFERENCE, SYSTEMS
+from bench.train_rank import COLOCATED_SYSTEMS, PHASES, REFERENCE, SYSTEMS
 
 logger = logging.getLogger(__name__)
 
@@ -242,11 +242,13 @@ def _write(out: str, args: argparse.Namespace, steps: list[dict[str, Any]], para
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump({"args": vars(args), **extra, "summary": rows, "params": params, "steps": steps}, f, indent=1)
     fields = ["model", "rate", "workers", "system", "step", "seconds", "loss", "metric", "samples", "bytes_sent",
-              "bytes_received", "protocol_bytes_sent", "dense_bytes"]
+              "bytes_received", "protocol_bytes_sent", "dense_bytes", "slowest_rank",
+              *(f"{phase}_s" for phase in PHASES)]
     with open(os.path.join(out, "steps.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(steps)
+        # The slowest rank's phases as columns of their own.
+        writer.writerows({**e, **{f"{k}_s": v for k, v in (e.get("phases") or {}).items()}} for e in steps)
     return rows
 
 

@@ -68,6 +68,11 @@ def test_outputs_are_written(loopback_run: str) -> None:
     with open(os.path.join(loopback_run, "steps.csv")) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(MODELS) * len(SYSTEMS) * STEPS
+    # Each step's slowest rank and its phases, which fit in the step's time.
+    for row in rows:
+        assert row["slowest_rank"] in ("0", "1")
+        phases = [float(row[f"{p}_s"]) for p in ("forward", "backward", "tail", "optimizer")]
+        assert min(phases) >= 0 and sum(phases) <= float(row["seconds"]) * 1.001
     with open(os.path.join(loopback_run, "results.json")) as f:
         summary = json.load(f)["summary"]
     assert {(r["model"], r["system"]) for r in summary} == {(m, s) for m in MODELS for s in SYSTEMS}

@@ -6,7 +6,9 @@
 #      simulator child, and compiles every kernel for sm_90), plus the CPU kernel tests;
 #   4. bench/kernels.py: GB/s of mask+compact for torch and Numba CUDA from 1 MB to $MAX_MB MB,
 #      then the CPU backends up to 256 MB;
-#   5. a summary: Numba CUDA mask+compact against the GPU's memory bandwidth for tensors >= 64 MB
+#   5. bench/device_allreduce.py: the whole op on CUDA tensors (2 ranks sharing the GPU, an aggregator
+#      in-process), omnireduce against gloo, 100 MB at 1%, 10% and 100%, every sum checked exactly;
+#   6. a summary: Numba CUDA mask+compact against the GPU's memory bandwidth for tensors >= 64 MB
 #      (target: >= 70%).
 #
 # Usage, from anywhere:   bash scripts/device_check.sh [--quick]
@@ -84,6 +86,13 @@ if [ "$QUICK" = 0 ]; then
         --repeat 3 --json "$RESULTS/bench_cpu.json" 2>&1 | tee "$RESULTS/bench_cpu.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+
+step "end-to-end allreduce of CUDA tensors, 2 ranks on the GPU: omnireduce vs gloo, 100 MB at 1%, 10%, 100%"
+REPEATS=11
+[ "$QUICK" = 1 ] && REPEATS=5
+timeout 400 "$PY" -m bench.device_allreduce --device cuda --workers 2 --sizes 100MB --densities 0.01 0.1 1.0 \
+    --repeats "$REPEATS" --json "$RESULTS/device_allreduce.json" 2>&1 | tee "$RESULTS/device_allreduce.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 step "summary: Numba CUDA mask+compact vs memory bandwidth (tensors >= 64 MB, target >= 70%)"
 "$PY" - "$RESULTS/bench_gpu.json" <<'EOF' || status=1

@@ -138,6 +138,11 @@ def _union_sorted(runs: list[np.ndarray]) -> np.ndarray:
         return _EMPTY_INDEX
     if len(runs) == 1:
         return runs[0]
+    # Every rank sent the same blocks (every stream of a dense tensor): one compare
+    # pass each instead of a sort of all of them.
+    first = runs[0]
+    if all(len(r) == len(first) for r in runs) and all(np.array_equal(first, r) for r in runs[1:]):
+        return first
     u = np.sort(np.concatenate(runs), kind="stable")
     if len(u) < 2:
         return u
@@ -145,6 +150,14 @@ def _union_sorted(runs: list[np.ndarray]) -> np.ndarray:
     keep[0] = True
     np.not_equal(u[1:], u[:-1], out=keep[1:])
     return u[keep]
+
+
+def _positions(union: np.ndarray, ptrs: np.ndarray) -> np.ndarray:
+    """Where each of a rank's ascending pointers is in the ascending union that holds them."""
+    if len(ptrs) == len(union):
+        # A subset as long as the set is the set: no binary search per block.
+        return np.arange(len(union))
+    return np.searchsorted(union, ptrs)
 
 
 def _check_start_shape(layout: Layout, msg: Start, body: list[Any]) -> None:
@@ -169,6 +182,14 @@ def _check_start_shape(layout: Layout, msg: Start, body: list[Any]) -> None:
         blocks_too = " and their blocks" if msg.eager else ""
         raise Refused.op_failure(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry at most "
                                  f"{columns} column pointers{blocks_too}", [msg.rank])
+
+
+def _payload(buf: memoryview, dtype: DType, owned: bool) -> np.ndarray:
+    """A received payload's values; writeable only if the message owns its memory (see ``Engine.handle``)."""
+    values = np.frombuffer(buf, dtype=dtype.storage)
+    if not owned and values.flags.writeable:
+        values.flags.writeable = False
+    return values
 
 
 def _accumulable(vals: np.ndarray, dtype: DType, weight: float) -> np.ndarray:
@@ -262,12 +283,20 @@ class Engine:
             "lost": dict(j.lost), "ops": sorted(j.ops), "held_bytes": j.held,
         }
 
-    def handle(self, peer: bytes, frames: list[Any]) -> list[Outgoing]:
+    def handle(self, peer: bytes, frames: list[Any], owned: bool = False) -> list[Outgoing]:
         """Processes one message from ``peer`` and returns what to send.
 
         Never raises for bad input: a message that cannot be decoded or is not
         allowed gets an ERROR reply; one that breaks an op fails that op on every
         worker.
+
+        Args:
+            peer: the sender's routing id.
+            frames: the message's frames (zmq frames, bytes or memoryviews).
+            owned: the frames' memory belongs to this message alone (received from a
+                socket, as over TCP or IPC), so sums may be written into a writeable
+                payload instead of a new array. False for a co-located worker's message
+                handed over ``inproc://``: its payload is the worker's own tensor.
         """
         self.counters.messages_in += 1
         try:
@@ -292,8 +321,8 @@ class Engine:
             return [(peer, encode(Error(key[0], key[1], code, message, ranks)))]
         try:
             if isinstance(msg, Start):
-                return self._on_start(peer, job, msg, body)
-            return self._on_blocks(peer, msg, body)
+                return self._on_start(peer, job, msg, body, owned)
+            return self._on_blocks(peer, msg, body, owned)
         except Refused as e:
             if e.fails_op:
                 return self._fail_op(key, e.code, e.message, e.ranks, extra_peer=peer)
@@ -512,7 +541,7 @@ class Engine:
         self.counters.ops_started += 1
         return op
 
-    def _on_start(self, peer: bytes, j: Job, msg: Start, body: list[Any]) -> list[Outgoing]:
+    def _on_start(self, peer: bytes, j: Job, msg: Start, body: list[Any], owned: bool) -> list[Outgoing]:
         key = (msg.job, msg.op)
         params = _params(msg)
         op = self._ops.get(key)
@@ -538,7 +567,7 @@ class Engine:
         else:
             _check_start_shape(op.layout, msg, body)
         if msg.eager:
-            return self._on_eager_start(peer, j, op, msg, body)
+            return self._on_eager_start(peer, j, op, msg, body, owned)
         if op.peers[msg.rank] is not None:
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} joined the op twice", [msg.rank])
         lay = op.layout
@@ -604,7 +633,9 @@ class Engine:
                 if a < b:
                     s.nextp[rank, np.searchsorted(s.cols, c[a:b])] = ptrs[a:b]
 
-    def _on_eager_start(self, peer: bytes, j: Job, op: _Op, msg: Start, body: list[Any]) -> list[Outgoing]:
+    def _on_eager_start(
+        self, peer: bytes, j: Job, op: _Op, msg: Start, body: list[Any], owned: bool
+    ) -> list[Outgoing]:
         """A START of an eager op: the rank's pointers in a run of streams and the blocks at them.
 
         A rank sends its streams in as few STARTs as keep each within one message's
@@ -638,7 +669,7 @@ class Engine:
         if buf.nbytes != want:
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent an eager payload of {buf.nbytes} "
                                      f"bytes, expected {want}", [rank])
-        payload = np.frombuffer(buf, dtype=op.dtype.storage)
+        payload = _payload(buf, op.dtype, owned)
         # In a one-row layout a pointer is its column: each stream's run of them, by its span.
         cuts = np.searchsorted(ptrs, [s.span.start for s in streams] + [hi_col])
         bs = lay.block_size
@@ -676,7 +707,7 @@ class Engine:
         for s in complete:
             starts, s.received = s.received, {}
             cur = s.cur = _union_sorted([starts[r][0] for r in range(op.world_size)])
-            received = {r: (np.searchsorted(cur, ptrs), p) for r, (ptrs, p) in starts.items() if len(ptrs)}
+            received = {r: (_positions(cur, ptrs), p) for r, (ptrs, p) in starts.items() if len(ptrs)}
             order, groups = self._eager_order(op, received, cur)
             ids = cur
             if order is not None:
@@ -812,7 +843,7 @@ class Engine:
                 self._retire(op)
         return [(p, frames) for p in op.peers if p is not None]
 
-    def _on_blocks(self, peer: bytes, msg: Blocks, body: list[Any]) -> list[Outgoing]:
+    def _on_blocks(self, peer: bytes, msg: Blocks, body: list[Any], owned: bool) -> list[Outgoing]:
         key = (msg.job, msg.op)
         op = self._ops.get(key)
         if op is None:
@@ -855,7 +886,7 @@ class Engine:
         self._hold(op, s, buf.nbytes + ptrs.nbytes)
         # Read only once the round completes (_advance), after every rank's blocks are in.
         s.nextp[msg.rank, sel] = ptrs
-        s.received[msg.rank] = (sel, np.frombuffer(buf, dtype=op.dtype.storage))
+        s.received[msg.rank] = (sel, _payload(buf, op.dtype, owned))
         self.counters.blocks_in += len(sel)
         if len(s.received) < len(s.expected):
             return []
@@ -887,8 +918,10 @@ class Engine:
         aligned = n_out == k * b
         acc_type = op.dtype.accumulator
         acc: np.ndarray | None = None
-        # The first whole payload waits for the second, so that the two are summed
-        # in one pass into a new array (no zeroing, no copy of the first).
+        # The first whole payload waits for the second, so that the two are summed in
+        # one pass (no zeroing, no copy of the first), into a payload that may be
+        # written (a received copy, or one widened here) rather than a new array,
+        # whose fresh pages cost more than the sum itself.
         first: np.ndarray | None = None
         # A fixed rank order makes the sums identical from run to run and on every worker.
         for rank in sorted(received):
@@ -902,7 +935,9 @@ class Engine:
                 elif first is None:
                     first = vals
                 else:
-                    acc = np.add(first, vals)
+                    into = first if first.flags.writeable else vals if vals.flags.writeable else None
+                    # IEEE addition commutes: summing into either gives the same bits.
+                    acc = np.add(first, vals, out=into)
                 continue
             if acc is None:
                 acc = np.zeros((k, b), dtype=acc_type)
@@ -912,11 +947,14 @@ class Engine:
             for sl, view in blocks.split_payload(payload, ids[sel], layout):
                 blocks.add_rows(acc, sel[sl], _accumulable(view, op.dtype, w))
         if acc is None:
-            # One whole payload is its own sum, but it is copied: from an inproc peer (a
-            # co-located worker) it is the worker's own input memory, which the worker may
-            # change as soon as its own result arrives, while the copies to the other ranks
-            # may still be waiting in their sockets.
-            acc = first.copy() if first is not None else np.zeros((k, b), dtype=acc_type)
+            # One whole payload is its own sum. One that may not be written is copied: from
+            # an inproc peer (a co-located worker) it is the worker's own input memory, which
+            # the worker may change as soon as its own result arrives, while the copies to
+            # the other ranks may still be waiting in their sockets.
+            if first is None:
+                acc = np.zeros((k, b), dtype=acc_type)
+            else:
+                acc = first if first.flags.writeable else first.copy()
         if op.weights is not None:
             # Divided, not multiplied by the inverse: equal weights give the plain mean's bits.
             acc = np.divide(acc, acc_type.type(op.weights.sum()), dtype=acc_type)

@@ -335,7 +335,10 @@ class Aggregator:
                     if peer not in self._peer_conn:
                         self._track(peer, frames[0])
                     counters.bytes_in += transport.frames_nbytes(frames) - len(peer)
-                    self._send_all(self.engine.handle(peer, frames[1:]))
+                    # A peer with a socket descriptor sent a copy (TCP, IPC); an inproc
+                    # peer (a co-located worker) handed over its own memory.
+                    owned = self._peer_conn.get(peer) is not None
+                    self._send_all(self.engine.handle(peer, frames[1:], owned=owned))
                 self._declare_departures(drained)
                 self._send_all(self.engine.expire())
         except Exception:

@@ -352,7 +352,8 @@ def pointer_columns(ids: np.ndarray, first: int, count: int, num_columns: int, n
         return ids
     if len(ids) > count or ids.min() < 0 or ids.max() >= num_blocks:
         raise ProtocolError(f"{len(ids)} block pointers for {count} columns, or pointers outside the tensor")
-    cols = ids % num_columns
+    # In a one-row layout (eager ops) a pointer is its column: no division per block.
+    cols = ids if num_blocks <= num_columns else ids % num_columns
     if cols[0] < first or cols[-1] >= first + count or (len(cols) > 1 and not (np.diff(cols) > 0).all()):
         raise ProtocolError("block pointers outside their columns, repeated or not in column order")
     return cols

@@ -179,3 +179,24 @@ def test_the_input_may_change_once_the_op_returned() -> None:
         return seen
 
     assert run_ranks(2, rank)[1] == [0.0] * 30
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_shard_never_writes_into_its_own_ranks_input(dtype: type) -> None:
+    # Every rank sends every block, so each shard sums a payload it received over TCP (which
+    # it may write into) with its own rank's, handed over in memory: that one is the rank's
+    # tensor and must come back unchanged from an op that is not in place.
+    world = 3
+    ex = ThreadExchange(world)
+    # 160 kB per shard: larger frames than pyzmq copies anyway (64 kB).
+    xs = [np.random.default_rng(r).integers(-50, 50, 120_000).astype(dtype) for r in range(world)]
+
+    def rank(r: int) -> tuple[np.ndarray, np.ndarray]:
+        x = xs[r].copy()
+        # One row of blocks (eager): a rank's payload is a view of its input, not a gather.
+        with ColocatedWorker(ex(r), r, world, job="untouched", **{**SMALL, "message_blocks": 2048}) as w:
+            return x, w.allreduce(x)
+
+    for r, (x, y) in enumerate(run_ranks(world, rank)):
+        np.testing.assert_array_equal(y, np.sum(xs, axis=0, dtype=np.float32).astype(dtype))
+        np.testing.assert_array_equal(x, xs[r])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -421,3 +422,47 @@ def test_the_worker_refuses_a_result_of_streams_it_cannot_hold(stream: int, coun
     assert isinstance(msg, Result)
     with pytest.raises(ProtocolError, match=match):
         w.on_result(msg, body)
+
+
+def _dense_round_trip(
+    dtype: DType, owned: bool, world: int = 3
+) -> tuple[list[bytearray], list[list[Any]], list[np.ndarray]]:
+    """Every rank's STARTs of a dense eager op as writeable received copies, handed to an engine."""
+    rng = np.random.default_rng(7)
+    n = 4 * 60 + 3  # two streams of one row, the second with a short last block
+    xs = [rng.integers(-8, 8, n).astype(dtype.storage) for _ in range(world)]
+    ops = [WorkerOp("j", r, world, 0, xs[r], dtype, Layout(n, 4, 32, 2)) for r in range(world)]
+    assert all(w.eager for w in ops)
+    engine = Engine()
+    received: list[bytearray] = []
+    results: list[list[Any]] = []
+    for r, w in enumerate(ops):
+        for frames in w.start():
+            copies = [bytearray(f) for f in wire(frames)]
+            received += copies
+            for peer, out in engine.handle(peer_of(r), copies, owned=owned):
+                results.append(out)
+                msg, data = decode(wire(out))
+                assert isinstance(msg, Result)
+                ops[int(peer.decode().split("-")[1])].on_result(msg, data)
+    for w in ops:
+        assert w.done
+        np.testing.assert_array_equal(w.out, np.sum(xs, axis=0, dtype=dtype.accumulator).astype(dtype.storage))
+    return received, results, xs
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.FLOAT16, DType.INT32])
+def test_the_engine_sums_into_a_received_copy_only_when_the_message_owns_it(dtype: DType) -> None:
+    for owned in (True, False):
+        received, results, xs = _dense_round_trip(dtype, owned)
+        before = [bytes(b) for b in received]
+        # A stream's part of a RESULT: the union, the order, the groups, the sums before and after the group.
+        payloads = [np.asarray(out[1 + i + j]) for out in results for i in range(0, len(out) - 1, 5) for j in (3, 4)]
+        assert sum(p.size for p in payloads) == len(xs) * len(xs[0])  # every rank, every sum
+        shares = any(np.shares_memory(p, np.frombuffer(b, np.uint8)) for p in payloads for b in received)
+        # Float32 sums need no widening, so with owned frames they go into one of them; a
+        # widened type (float16 in float32, int32 in int64) is summed into its widened copy.
+        assert shares == (owned and dtype is DType.FLOAT32)
+        if not owned:
+            # Inproc payloads are a co-located worker's tensor: never written.
+            assert [bytes(b) for b in received] == before

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from aggregator.engine import Engine
+from aggregator.engine import Engine, _positions, _union_sorted
 from omnireduce.dtypes import DType, from_accumulator, to_accumulator
 from omnireduce.errors import ConfigError, OmniReduceError
 from omnireduce.layout import Layout
@@ -225,3 +225,17 @@ def test_inplace_needs_a_writeable_tensor() -> None:
     x.flags.writeable = False
     with pytest.raises(ConfigError, match="writeable"):
         WorkerOp("j", 0, 1, 0, x, DType.FLOAT32, Layout(64, 8, 8, 1), inplace=True)
+
+
+@pytest.mark.parametrize("runs", [
+    [[0, 1, 2, 5], [0, 1, 2, 5], [0, 1, 2, 5]],  # every rank the same blocks: the compare shortcut
+    [[0, 1, 2, 5], [0, 1, 3, 5]],  # as long, not the same
+    [[0, 2], [1, 2, 3], []],
+    [[4], [4, 5]],
+])
+def test_the_union_of_ranks_pointers_and_where_each_rank_is_in_it(runs: list[list[int]]) -> None:
+    arrays = [np.array(r, np.int64) for r in runs]
+    union = _union_sorted(arrays)
+    np.testing.assert_array_equal(union, sorted(set().union(*runs)))
+    for a in arrays:
+        np.testing.assert_array_equal(union[_positions(union, a)], a)

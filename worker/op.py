@@ -396,8 +396,12 @@ class WorkerOp:
             assert self._ids is not None
             # The instruction is the union of the ranks' blocks, so it holds all of ours.
             mine = self._ids[self._bounds[s] : self._bounds[s + 1]]
-            pos = np.searchsorted(cur, mine)
-            skipped = len(mine) > 0 and (int(pos[-1]) >= len(cur) or not np.array_equal(cur[pos], mine))
+            if len(mine) == len(cur):
+                # Every block of the stream (a dense tensor): one compare, no search per block.
+                skipped = not np.array_equal(cur, mine)
+            else:
+                pos = np.searchsorted(cur, mine)
+                skipped = len(mine) > 0 and (int(pos[-1]) >= len(cur) or not np.array_equal(cur[pos], mine))
         else:
             mine = self._mynext[cur_cols]
             skipped = bool((mine < cur).any()) or np.count_nonzero(mine != INF) != self._live[s]

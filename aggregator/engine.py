@@ -139,10 +139,12 @@ def _union_sorted(runs: list[np.ndarray]) -> np.ndarray:
     if len(runs) == 1:
         return runs[0]
     # Every rank sent the same blocks (every stream of a dense tensor): one compare
-    # pass each instead of a sort of all of them.
+    # pass each instead of a sort of all of them. A copy, not the run itself: the union
+    # is sent to every rank, and a run handed over inproc is a co-located worker's own
+    # index memory, which it may reuse once its own result arrives.
     first = runs[0]
     if all(len(r) == len(first) for r in runs) and all(np.array_equal(first, r) for r in runs[1:]):
-        return first
+        return first.copy()
     u = np.sort(np.concatenate(runs), kind="stable")
     if len(u) < 2:
         return u

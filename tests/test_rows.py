@@ -735,3 +735,41 @@ def test_a_rows_op_lays_one_row_per_column_in_few_streams(num_rows: int, width: 
         assert layout.block_size == width and layout.length == num_rows * width
         assert layout.num_columns == max(num_rows, 0) and layout.num_streams == streams
         assert layout.message_blocks * width * np.dtype(dtype).itemsize <= ROWS_MESSAGE_BYTES
+
+
+def test_an_inproc_rank_may_change_its_rows_once_its_op_returned() -> None:
+    # Both ranks send the same rows, so the union is every rank's pointers: the aggregator
+    # must not send rank 0's own index memory (handed over inproc, without a copy, for
+    # frames of 64 kB and more) to rank 1, whose result may still wait in its socket when
+    # rank 0 reuses its index buffer.
+    import threading
+    import time
+
+    import zmq
+
+    n = 20_000
+    ctx = zmq.Context()
+    inproc = "inproc://rows-reuse"
+    step = threading.Barrier(2, timeout=30)
+    with Aggregator(listen=["tcp://127.0.0.1:0", inproc], context=ctx, timeout=20).start() as agg:
+
+        def rank(r: int) -> list[bool]:
+            seen = []
+            with Worker(inproc if r == 0 else agg.address, r, 2, job="reuse", timeout=20,
+                        context=ctx if r == 0 else None) as w:
+                for _ in range(5):
+                    rows = np.arange(n, dtype=np.int64) * 2
+                    x = SparseRows(rows, np.ones((n, 4), np.float32), 2 * n)
+                    step.wait()
+                    if r == 0:
+                        time.sleep(0.02)  # rank 1's START first: rank 0's completes the op
+                    y = w.allreduce(x)
+                    if r == 0:
+                        rows[:] += 1
+                    else:
+                        seen.append(bool(np.array_equal(y.rows, np.arange(n) * 2) and (y.values == 2).all()))
+                    step.wait()
+            return seen
+
+        assert run_ranks(2, rank)[1] == [True] * 5
+    ctx.term()

@@ -942,7 +942,10 @@ class Engine:
                     acc = np.add(first, vals, out=into)
                 continue
             if acc is None:
-                acc = np.zeros((k, b), dtype=acc_type)
+                # -0.0, not 0.0, for floats: the additive identity, so a block only one rank
+                # sent sums to that block's bits (0.0 + -0.0 would be 0.0), as the rank that
+                # keeps its own blocks from its input has them: every rank gets the same bits.
+                acc = np.full((k, b), -0.0 if acc_type.kind == "f" else 0, dtype=acc_type)
                 if first is not None:
                     acc += first
             # Row j of the sums is active column j: a rank's blocks go to the rows it was asked for.

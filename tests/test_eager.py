@@ -466,3 +466,25 @@ def test_the_engine_sums_into_a_received_copy_only_when_the_message_owns_it(dtyp
         if not owned:
             # Inproc payloads are a co-located worker's tensor: never written.
             assert [bytes(b) for b in received] == before
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16, DType.FLOAT64])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_every_rank_gets_the_same_bits_of_a_block_only_one_rank_sent(dtype: DType, inplace: bool) -> None:
+    # Rank 0 alone has block 0, with a -0.0 in it; rank 1 alone has block 2; both have block 1.
+    # The owner keeps its own block from its input, the others get the aggregator's sum:
+    # that sum must be the block's bits, -0.0 included.
+    def block(values: list[float]) -> np.ndarray:
+        f = np.array(values, np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16) if dtype is DType.BFLOAT16 else f.astype(dtype.storage)
+
+    zero = block([0.0] * 4)
+    xs = [np.concatenate([block([-0.0, 1.0, -0.0, 2.0]), block([1.0, -0.0, 3.0, 0.0]), zero]),
+          np.concatenate([zero, block([-0.0, -0.0, 1.0, 0.0]), block([4.0, -0.0, 0.0, 5.0])])]
+    outs, ops, _ = run_allreduce([x.copy() for x in xs], dtype, block_size=4, message_blocks=8, streams=1,
+                                 inplace=inplace)
+    assert ops[0].eager
+    assert outs[0].tobytes() == outs[1].tobytes()
+    signs = np.signbit(outs[0].view(np.int16) if dtype is DType.BFLOAT16 else outs[0])
+    # Blocks 0 and 2 keep their -0.0s; in block 1, -0.0 + -0.0 is -0.0 and -0.0 + 0.0 is 0.0.
+    assert signs[[0, 2, 5, 9]].all() and not signs[[4, 7]].any()

@@ -16,7 +16,9 @@ from tests.helpers import ThreadExchange, run_ranks, sparse
 from worker import Worker
 from worker.colocated import ColocatedWorker
 
-SMALL = dict(block_size=16, message_blocks=4, streams=2, timeout=20)
+# shard_bytes=0: every op is split over every shard, however small (the split is what is tested).
+ONE = dict(block_size=16, message_blocks=4, streams=2, timeout=20)  # a plain worker's
+SMALL = {**ONE, "shard_bytes": 0}
 
 
 def _inputs(world: int, n: int, density: float, seed: int) -> list[np.ndarray]:
@@ -96,9 +98,9 @@ def test_aggregator_listens_on_several_endpoints() -> None:
         def rank(r: int) -> np.ndarray:
             # Rank 0 over TCP, rank 1 in memory: one job across both endpoints.
             if r == 0:
-                with Worker(agg.addresses[0], rank=0, world_size=2, job="two", **SMALL) as w:
+                with Worker(agg.addresses[0], rank=0, world_size=2, job="two", **ONE) as w:
                     return w.allreduce(x)
-            with Worker(agg.addresses[1], rank=1, world_size=2, job="two", context=ctx, **SMALL) as w:
+            with Worker(agg.addresses[1], rank=1, world_size=2, job="two", context=ctx, **ONE) as w:
                 return w.allreduce(x)
 
         for y in run_ranks(2, rank):

@@ -324,7 +324,8 @@ def test_sharded_integer_sums(shards: list[Aggregator]) -> None:
     inputs = [[_ints(rng, 4099, np.int32, 0.4, 16), _ints(rng, 1000, np.int64, 1.0, 16)] for _ in range(2)]
 
     def rank(r: int) -> list[np.ndarray]:
-        with connect(addresses, rank=r, world_size=2, job="sharded-int", block_size=16, timeout=20) as w:
+        with connect(addresses, rank=r, world_size=2, job="sharded-int", block_size=16, timeout=20,
+                     shard_bytes=0) as w:
             if r == 1:
                 with pytest.raises(ConfigError, match="weight"):
                     w.allreduce(inputs[r][0], weight=1.0)

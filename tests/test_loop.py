@@ -18,7 +18,9 @@ from worker import ShardedWorker, Worker, connect
 from worker.connection import Connection
 from worker.loop import CommLoop
 
-SMALL = dict(block_size=16, message_blocks=4, streams=2)
+# shard_bytes=0: every op goes to every shard, however small.
+ONE = dict(block_size=16, message_blocks=4, streams=2)  # a plain worker's
+SMALL = {**ONE, "shard_bytes": 0}
 
 
 def _worker_threads(rank: int) -> list[threading.Thread]:
@@ -83,7 +85,7 @@ def test_close_from_a_callback_does_not_deadlock(aggregator: Aggregator) -> None
     """A callback on the communication thread may close the worker; the close happens after it."""
 
     def rank(r: int) -> BaseException | None:
-        w = Worker(aggregator.address, rank=r, world_size=2, job="cb-close", timeout=10, **SMALL)
+        w = Worker(aggregator.address, rank=r, world_size=2, job="cb-close", timeout=10, **ONE)
         closed = threading.Event()
         fut: Future = w.allreduce_async(np.ones(50, np.float32))
         fut.add_done_callback(lambda _f: (w.close(), closed.set()))
@@ -106,4 +108,4 @@ def test_attach_to_closed_loop_is_refused(aggregator: Aggregator) -> None:
     loop = CommLoop(name="omnireduce-worker-test")
     loop.close()
     with pytest.raises(WorkerClosedError):
-        Worker(aggregator.address, rank=0, world_size=1, job="closed-loop", loop=loop, **SMALL)
+        Worker(aggregator.address, rank=0, world_size=1, job="closed-loop", loop=loop, **ONE)

@@ -590,9 +590,10 @@ def test_sharded_and_colocated_equal_one_aggregator(aggregator: Aggregator, two_
     cases = _topology_cases(world)
     single = _run_cases(lambda r: Worker(aggregator.address, rank=r, world_size=world, job="one", **OPTS),
                         world, cases)
-    sharded = _run_cases(lambda r: connect(two_shards, rank=r, world_size=world, job="two", **OPTS), world, cases)
+    sharded = _run_cases(lambda r: connect(two_shards, rank=r, world_size=world, job="two", shard_bytes=0, **OPTS),
+                         world, cases)
     ex = ThreadExchange(world)
-    coloc = _run_cases(lambda r: ColocatedWorker(ex(r), r, world, job="coloc", close_timeout=5, **OPTS),
+    coloc = _run_cases(lambda r: ColocatedWorker(ex(r), r, world, job="coloc", close_timeout=5, shard_bytes=0, **OPTS),
                        world, cases)
     for k, (name, xs, weighted) in enumerate(cases):
         for r in range(world):

@@ -16,7 +16,8 @@ from worker import Allreducer, ShardedWorker, Worker, connect
 from worker.sharded import shard_bounds
 
 # Small blocks and messages: short tensors still span many blocks, shards and rounds.
-SMALL = dict(block_size=16, message_blocks=4, streams=2)
+# shard_bytes=0: every op is split over every shard, however small (the split is what is tested).
+SMALL = dict(block_size=16, message_blocks=4, streams=2, shard_bytes=0)
 LENGTHS = [0, 1, 2, 15, 16, 17, 47, 100, 1000, 4099, 100_003]
 
 
@@ -306,3 +307,71 @@ def test_connect_makes_the_kind_of_worker_that_fits(shards: list[Aggregator], mo
     with connect(exchange=lambda own: [own], rank=0, world_size=1, timeout=20) as w:
         assert isinstance(w, ColocatedWorker) and isinstance(w, Allreducer)
         assert w.allreduce(np.arange(5, dtype=np.float32)).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_small_ops_take_the_shards_in_turn(shards: list[Aggregator]) -> None:
+    """An op of b bytes goes to ceil(b / shard_bytes) shards, starting where the last op
+    stopped; a weighted op goes to every shard. Sums stay exact whatever the shards."""
+    import torch
+
+    from worker.rows import SparseRows
+
+    addresses = [a.address for a in shards]
+    world = 2
+    # 400 bytes per shard: 100 float32 -> 1 shard, 250 -> 3 (capped at 3), 150 -> 2.
+    lengths = [100, 100, 100, 100, 150, 150, 250, 100]
+    rng = np.random.default_rng(5)
+    inputs = [[sparse(rng, n, 0.5, 16, np.float32, normal=True) for n in lengths] for _ in range(world)]
+    rows = [SparseRows(np.array([1, 4, 6], np.int64), rng.standard_normal((3, 8)).astype(np.float32), 12)
+            for _ in range(world)]  # 12 x 8 float32 = 384 bytes: 1 shard
+    coo = [torch.sparse_coo_tensor(torch.tensor([[0, 30 + r]]), torch.ones(2, 4), (40, 4)) for r in range(world)]
+
+    def rank(r: int) -> tuple[list[Any], list[list[int]]]:
+        with connect(addresses, rank=r, world_size=world, job="turns", timeout=20, block_size=16,
+                     message_blocks=4, streams=2, shard_bytes=400) as w:
+            out, ops = [], []
+            for x in [*inputs[r], rows[r], coo[r]]:
+                before = [s.stats.ops for s in w.shards]
+                out.append(w.allreduce(x))
+                ops.append([s.stats.ops - b for s, b in zip(w.shards, before, strict=True)])
+            before = [s.stats.ops for s in w.shards]
+            out.append(w.allreduce(inputs[r][0], weight=r + 1.0))
+            ops.append([s.stats.ops - b for s, b in zip(w.shards, before, strict=True)])
+            return out, ops
+
+    got = run_ranks(world, rank)
+    # 100, 100, 100, 100 -> one shard each, in turn; 150 -> two; 250 -> all three
+    # (from shard 2); then the 100 and the rows one each, the 640-byte COO tensor two;
+    # the weighted op all three.
+    expected_ops = [[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0], [0, 1, 1], [1, 1, 0], [1, 1, 1],
+                    [0, 0, 1], [1, 0, 0], [0, 1, 1], [1, 1, 1]]
+    for r in range(world):
+        out, ops = got[r]
+        assert ops == expected_ops
+        for i in range(len(lengths)):
+            assert np.array_equal(out[i], inputs[0][i] + inputs[1][i])
+        summed = out[len(lengths)]
+        assert np.array_equal(summed.rows, rows[0].rows)
+        assert np.array_equal(summed.values, rows[0].values + rows[1].values)
+        dense = out[len(lengths) + 1].to_dense()
+        assert torch.equal(dense, coo[0].to_dense() + coo[1].to_dense())
+        w0, w1 = 1.0, 2.0
+        np.testing.assert_allclose(out[-1], (w0 * inputs[0][0] + w1 * inputs[1][0]) / (w0 + w1), rtol=1e-6)
+
+
+def test_shard_bytes_is_checked_and_read_from_the_environment(shards: list[Aggregator],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    addresses = [a.address for a in shards[:2]]
+    with pytest.raises(ConfigError, match="shard_bytes"):
+        ShardedWorker(addresses, rank=0, world_size=1, shard_bytes=-1)
+    monkeypatch.setenv("OMNIREDUCE_SHARD_BYTES", "lots")
+    with pytest.raises(ConfigError, match="OMNIREDUCE_SHARD_BYTES"):
+        ShardedWorker(addresses, rank=0, world_size=1)
+    monkeypatch.setenv("OMNIREDUCE_SHARD_BYTES", "0")
+    with ShardedWorker(addresses, rank=0, world_size=1, job="env-bytes", timeout=20) as w:
+        assert w.shard_bytes == 0
+        w.allreduce(np.ones(4, np.float32))  # 16 bytes, yet every shard (0: no choice)
+        assert [s.stats.ops for s in w.shards] == [1, 1]
+    # The option means nothing to a plain worker, which takes it all the same.
+    with connect(addresses[0], rank=0, world_size=1, job="one", timeout=20, shard_bytes=5) as w:
+        assert type(w) is Worker

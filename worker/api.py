@@ -83,7 +83,8 @@ def connect(
             :class:`worker.colocated.ColocatedWorker`, :func:`worker.colocated.torch_exchange`).
         **options: the worker's settings (``rank``, ``world_size``, ``job``,
             ``block_size``, ``timeout``, ``token``, ``mode``, ...; see
-            :class:`worker.client.Worker`) and, co-located, ``listen``,
+            :class:`worker.client.Worker`), with several shards ``shard_bytes``
+            (see :class:`worker.sharded.ShardedWorker`) and, co-located, ``listen``,
             ``aggregator_options`` and ``close_timeout``.
 
     Raises:
@@ -109,4 +110,6 @@ def connect(
         return ShardedWorker(value, **options)
     from worker.client import Worker
 
+    # One aggregator: nothing to choose among (the same options work for every kind).
+    options.pop("shard_bytes", None)
     return Worker(value, **options)

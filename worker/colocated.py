@@ -89,7 +89,8 @@ class ColocatedWorker(ShardedWorker):
         close_timeout: seconds :meth:`close` waits for the other ranks to leave this
             rank's shard before closing it.
         **worker_options: :class:`worker.client.Worker`'s options (``job``,
-            ``block_size``, ``message_blocks``, ``streams``, ``timeout``, ``mode``, ...).
+            ``block_size``, ``message_blocks``, ``streams``, ``timeout``, ``mode``, ...)
+            and :class:`worker.sharded.ShardedWorker`'s ``shard_bytes``.
 
     Raises:
         ConfigError: bad options, or ``exchange`` returned something other than one

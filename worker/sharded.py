@@ -18,8 +18,15 @@ The rows of a row-sparse tensor (:class:`worker.rows.SparseRows`, a sparse COO
 tensor) are dealt instead: row ``r`` to shard ``r % S`` (:meth:`SparseRows.deal`),
 so that a table whose frequent rows come first does not load one shard and its link.
 
-Every shard gets a chunk, possibly empty, for every op, so that the op numbers
-of all shards stay equal to the sharded worker's op numbers.
+A small op is not split over every shard: each shard's part costs a message each
+way on every rank and on the shard, and below about a MiB per shard those
+messages, not the links, bound the op. An op of ``b`` bytes (its dense size, the
+same on every rank) goes to ``ceil(b / shard_bytes)`` shards (at least one, at
+most all; ``OMNIREDUCE_SHARD_BYTES``), taken in turn from op to op so that every
+shard, and every co-located rank's process, gets its share of the small ops.
+Every rank makes the same choice from the same op sequence, so each shard sees
+the same ops from every rank; a shard may get an empty chunk (a tensor of fewer
+blocks than the shards it goes to).
 
 ``worker.connect([addr0, addr1], ...)`` or ``worker.connect("tcp://a:5555,tcp://b:5555", ...)``
 (or a comma-separated ``OMNIREDUCE_ADDRESS``) returns a :class:`ShardedWorker`.
@@ -43,7 +50,7 @@ from worker.client import Worker
 from worker.cuda import is_cuda_tensor
 from worker.loop import CommLoop
 from worker.op import check_destination, lazy_zeros, pages_written
-from worker.rows import RowPieces, ShardChunk, is_rows, rows_op_data
+from worker.rows import RowPieces, ShardChunk, SparseRows, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
 from worker.stats import OpStats, Stats, merge_parallel
 from worker.tensors import is_torch, shares_memory, to_flat
@@ -75,27 +82,31 @@ def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, i
 class _Gather:
     """Completes one sharded op's future once every shard's future has completed."""
 
-    def __init__(self, owner: ShardedWorker, future: Future, parts: int, finish: Any) -> None:
+    def __init__(self, owner: ShardedWorker, future: Future, targets: list[int], finish: Any) -> None:
         self.owner = owner
         self.future = future
         self.finish = finish
+        # Part i of the op went to shard targets[i].
+        self.targets = targets
         self.started = time.monotonic()
+        parts = len(targets)
         self.results: list[Any] = [None] * parts
         self.stats: list[OpStats | None] = [None] * parts
         self.left = parts
         self.settled = False
         self.lock = threading.Lock()
 
-    def on_done(self, k: int, fut: Future) -> None:
-        # Runs on the communication thread, right after shard k's worker recorded the
-        # op's stats: its stats.last is this op's.
+    def on_done(self, i: int, fut: Future) -> None:
+        # Runs on the communication thread, right after part i's shard worker recorded
+        # the op's stats: its stats.last is this op's.
         error = fut.exception()
+        k = self.targets[i]
         with self.lock:
             if self.settled:
                 return  # failed already: the first error wins
             if error is None:
-                self.results[k] = fut.result()
-                self.stats[k] = getattr(fut, "op_stats", None) or self.owner.shards[k].stats.last
+                self.results[i] = fut.result()
+                self.stats[i] = getattr(fut, "op_stats", None) or self.owner.shards[k].stats.last
                 self.left -= 1
                 if self.left:
                     return
@@ -131,6 +142,10 @@ class ShardedWorker(SettingsView):
         world_size: the number of workers; default ``$WORLD_SIZE``.
         job: the job id; default ``$OMNIREDUCE_JOB``, else "default".
         context: ZeroMQ context shared by the shards' workers; a private one each by default.
+        shard_bytes: an op of ``b`` bytes goes to ``ceil(b / shard_bytes)`` shards (at
+            least one, at most all), in turn; 0 sends every op to every shard. Default
+            ``$OMNIREDUCE_SHARD_BYTES``, else :data:`omnireduce.config.DEFAULT_SHARD_BYTES`.
+            Every worker of a job must use the same value.
         settings: settings resolved already, instead of ``rank``, ``world_size``, ``job``
             and ``**options``.
         **options: the other settings of :class:`worker.client.Worker` (``block_size``,
@@ -148,9 +163,13 @@ class ShardedWorker(SettingsView):
         job: str | None = None,
         *,
         context: zmq.Context | None = None,
+        shard_bytes: int | None = None,
         settings: WorkerSettings | None = None,
         **options: Any,
     ) -> None:
+        self.shard_bytes = config.resolve(shard_bytes, config.OMNIREDUCE_SHARD_BYTES, config.DEFAULT_SHARD_BYTES, int)
+        if type(self.shard_bytes) is not int or self.shard_bytes < 0:
+            raise ConfigError(f"shard_bytes must be a non-negative integer, got {self.shard_bytes!r}")
         addresses = config.split_addresses(config.resolve(address, config.OMNIREDUCE_ADDRESS, None, _identity))
         if not addresses:
             raise ConfigError("no aggregator address given")
@@ -181,6 +200,9 @@ class ShardedWorker(SettingsView):
         self._submit_lock = threading.Lock()
         self._closed = False
         self._broken: BaseException | None = None
+        # The shard the next op starts at (under _submit_lock): ops of fewer shards than
+        # there are take the shards in turn.
+        self._turn = 0
         logger.info("worker rank %d of job %r: %d aggregator shards: %s", self.rank, self.job, len(addresses),
                     ", ".join(addresses))
 
@@ -218,28 +240,31 @@ class ShardedWorker(SettingsView):
             ConfigError: ``x`` is not supported, or ``inplace``/``out`` do not fit it.
             WorkerClosedError: the worker is closed, or a shard refused an earlier op.
         """
+        parts = self._parts_for(x, kwargs)
         if is_rows(x):
-            chunks, finish = self._split_rows(x, inplace, out)
+            chunks, finish = self._split_rows(x, inplace, out, parts)
             chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
         elif is_cuda_tensor(x):
-            chunks, finish = self._split_cuda(x, inplace, out)
+            chunks, finish = self._split_cuda(x, inplace, out, parts)
             chunk_kwargs = [{} for _ in chunks]
         else:
-            chunks, chunk_kwargs, finish = self._split_host(x, inplace, out)
+            chunks, chunk_kwargs, finish = self._split_host(x, inplace, out, parts)
         fut: Future = Future()
-        gather = _Gather(self, fut, len(self.shards), finish)
         with self._submit_lock:
             if self._closed or self._broken is not None:
                 raise WorkerClosedError(
                     f"sharded worker rank {self.rank} of job {self.job!r} is closed"
                     + ("" if self._broken is None else f" (a shard failed to take an op: {self._broken})")
                 ) from self._broken
+            nshards = len(self.shards)
+            targets = [(self._turn + i) % nshards for i in range(parts)]
+            gather = _Gather(self, fut, targets, finish)
             shard_futures = []
-            for k, (w, chunk) in enumerate(zip(self.shards, chunks, strict=True)):
+            for i, (k, chunk) in enumerate(zip(targets, chunks, strict=True)):
                 try:
-                    shard_futures.append(w.allreduce_async(chunk, **chunk_kwargs[k], **kwargs))
+                    shard_futures.append(self.shards[k].allreduce_async(chunk, **chunk_kwargs[i], **kwargs))
                 except BaseException as e:
-                    if k == 0:
+                    if i == 0:
                         # Nothing was submitted: a Worker takes no op number before its
                         # checks pass, so the shards' op numbers still agree.
                         raise
@@ -250,8 +275,9 @@ class ShardedWorker(SettingsView):
                                  self.rank, self.job, k, self.addresses[k], e)
                     err = self._shard_error(k, e)
                     raise err from e
-        for k, f in enumerate(shard_futures):
-            f.add_done_callback(lambda f, k=k: gather.on_done(k, f))
+            self._turn = (targets[-1] + 1) % nshards
+        for i, f in enumerate(shard_futures):
+            f.add_done_callback(lambda f, i=i: gather.on_done(i, f))
         return fut
 
     def allreduce(self, x: Any, **options: Any) -> Any:
@@ -267,8 +293,9 @@ class ShardedWorker(SettingsView):
         """Shard 0's aggregator's recommended batch size per rank, or None.
 
         Every shard gets the same weights and (measured alike) compute times, so one
-        shard's recommendation stands for all; shard 0 takes part in every op (with
-        an empty chunk when the tensor has fewer blocks than there are shards).
+        shard's recommendation stands for all; shard 0 takes part in every op that
+        is weighted or reports a compute time (such an op goes to every shard,
+        whatever its size).
         """
         return self.shards[0].recommended_batches
 
@@ -282,8 +309,21 @@ class ShardedWorker(SettingsView):
 
     # Splitting and joining.
 
+    def _parts_for(self, x: Any, kwargs: dict[str, Any]) -> int:
+        """How many shards an op of ``x`` goes to: one per ``shard_bytes`` of its dense
+        size (known alike on every rank, unlike its nonzero count), at least one."""
+        nshards = len(self.shards)
+        # A weighted op reports a compute time (given or measured) for batch balancing,
+        # whose recommendation shard 0 must see: such ops go to every shard.
+        if self.shard_bytes == 0 or kwargs.get("weight") is not None or kwargs.get("compute_time") is not None:
+            return nshards
+        nbytes = _dense_bytes(x)
+        if nbytes is None:
+            return nshards  # not a tensor: the split raises the error naming its type
+        return max(1, min(nshards, -(-nbytes // self.shard_bytes)))
+
     def _split_host(
-        self, x: Any, inplace: bool, out: np.ndarray | None
+        self, x: Any, inplace: bool, out: np.ndarray | None, parts: int
     ) -> tuple[list[Any], list[dict[str, Any]], Any]:
         # Chunks are views of a flat tensor of x's own kind (NumPy or torch), so that a
         # bfloat16 torch tensor stays bfloat16 for the shards; the wire array (uint16
@@ -299,7 +339,7 @@ class ShardedWorker(SettingsView):
         wire, dtype, restore = to_flat(native)
         n = len(wire)
         storage = np.dtype(dtype.storage)
-        bounds = shard_bounds(n, self.block_size, len(self.shards))
+        bounds = shard_bounds(n, self.block_size, parts)
         chunks = [native[lo:hi] for lo, hi in bounds]
         check_destination(wire, dtype, inplace, out)
         if inplace:
@@ -313,7 +353,7 @@ class ShardedWorker(SettingsView):
             lambda _results: restore(full).reshape(shape),
         )
 
-    def _split_rows(self, x: Any, inplace: bool, out: Any) -> tuple[list[Any], Any]:
+    def _split_rows(self, x: Any, inplace: bool, out: Any, parts: int) -> tuple[list[Any], Any]:
         # Rows are dealt round-robin (row r to shard r % S), not cut in ranges as a dense
         # tensor's blocks are: an embedding's frequent rows often come first, and ranges
         # would load one shard (and its link) with most of them. Each shard returns the
@@ -322,7 +362,7 @@ class ShardedWorker(SettingsView):
         rows = data.x
         # Shard chunks: each shard's op hands back its rows as received, and they are
         # joined here in one copy (not one per shard and one more here).
-        chunks = [ShardChunk(p.rows, p.values, p.num_rows, dtype=p.dtype) for p in rows.deal(len(self.shards))]
+        chunks = [ShardChunk(p.rows, p.values, p.num_rows, dtype=p.dtype) for p in rows.deal(parts)]
 
         def finish(results: list[RowPieces]) -> Any:
             joined = RowPieces.join(results, rows.num_rows, rows.shape)
@@ -330,7 +370,7 @@ class ShardedWorker(SettingsView):
 
         return chunks, finish
 
-    def _split_cuda(self, x: Any, inplace: bool, out: Any) -> tuple[list[Any], Any]:
+    def _split_cuda(self, x: Any, inplace: bool, out: Any, parts: int) -> tuple[list[Any], Any]:
         if not is_torch(x):
             raise ConfigError(
                 "a sharded allreduce of a CUDA array supports torch tensors only; "
@@ -342,7 +382,7 @@ class ShardedWorker(SettingsView):
 
         shape = x.shape
         flat = x.detach().contiguous().reshape(-1)
-        bounds = shard_bounds(flat.numel(), self.block_size, len(self.shards))
+        bounds = shard_bounds(flat.numel(), self.block_size, parts)
         # An empty chunk goes as an empty host tensor of the same dtype: the op's length
         # and type are all the aggregator checks, and no device work is started for it.
         chunks = [flat[lo:hi] if hi > lo else torch.empty(0, dtype=flat.dtype) for lo, hi in bounds]
@@ -396,6 +436,17 @@ class ShardedWorker(SettingsView):
 
 def _identity(text: str) -> str:
     return text
+
+
+def _dense_bytes(x: Any) -> int | None:
+    """The bytes of ``x`` as a dense tensor (a sparse tensor's too), or None if it is no tensor."""
+    if isinstance(x, np.ndarray):
+        return int(x.nbytes)
+    if isinstance(x, SparseRows):
+        return int(x.num_rows) * int(x.row_width) * int(x.values.dtype.itemsize)
+    if is_torch(x):
+        return int(x.numel()) * int(x.element_size())
+    return None
 
 
 def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:

@@ -159,6 +159,9 @@ def test_an_eager_result_leaves_out_the_blocks_only_the_receiver_sent() -> None:
         # Each receives the shared block 5 and the other's block, not its own.
         assert [w.stats.blocks_received for w in ops] == [2, 2]
         assert engine.counters.blocks_out == 4
+        # The union (blocks 1, 5, 6) is what each measures: auto mode's density, alike on every rank.
+        assert [w.stats.union_blocks for w in ops] == [3, 3]
+        assert [w.stats.union_density for w in ops] == [3 / 8, 3 / 8]
 
 
 def test_weighted_eager_ops_send_every_sum() -> None:
@@ -177,6 +180,7 @@ def test_the_short_last_block_is_always_sent() -> None:
     outs, ops, _ = run_allreduce([x0, x1], DType.FLOAT32, block_size=4, message_blocks=8, streams=1)
     np.testing.assert_array_equal(outs[1], x0 + x1)
     assert [w.stats.blocks_received for w in ops] == [2, 1]
+    assert [w.stats.union_density for w in ops] == [2 / 8, 2 / 8]  # blocks 0 and 7
 
 
 def _own_result(cur: list[int], order: list[int], groups: list[int], before: int, after: int) -> tuple[Result, list]:

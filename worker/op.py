@@ -344,6 +344,7 @@ class WorkerOp:
             # In place, the input already holds them.
             self._scatter(own, self._sent[: nfull * b].reshape(nfull, b)[where].reshape(-1))
         self.stats.blocks_received += k - len(own)
+        self.stats.union_blocks += k
 
     def _scatter(self, ids: np.ndarray, payload: np.ndarray) -> None:
         if self._data is not None:
@@ -419,6 +420,7 @@ class WorkerOp:
                                         f"{self.layout.payload_elements(ids)}")
                 self._scatter(ids, payload)
                 self.stats.blocks_received += len(ids)
+                self.stats.union_blocks += len(ids)
             elif len(payload):
                 raise ProtocolError("round 0 result carries data")
         self._cur[s] = cur

@@ -24,6 +24,10 @@ class OpStats:
     bytes_received: int = 0
     blocks_sent: int = 0
     blocks_received: int = 0
+    #: Blocks of the union of every worker's nonzero blocks (for a sparse op): the same on
+    #: every rank, unlike ``blocks_received``, which leaves out the blocks only this rank
+    #: sent when the aggregator does not send them back (an eager op).
+    union_blocks: int = 0
     messages_sent: int = 0
     messages_received: int = 0
     rounds: int = 0
@@ -33,8 +37,9 @@ class OpStats:
 
     @property
     def union_density(self) -> float:
-        """Blocks received (the union of every worker's nonzero blocks, for a sparse op) over the tensor's."""
-        return self.blocks_received / self.blocks if self.blocks else 0.0
+        """The union of every worker's nonzero blocks (for a sparse op) over the tensor's
+        blocks: the same on every rank of the op."""
+        return self.union_blocks / self.blocks if self.blocks else 0.0
 
     @property
     def sent_fraction(self) -> float:
@@ -49,6 +54,7 @@ class OpStats:
 # seconds are the slowest part's there, and add up only over ops run one after another.
 _PARALLEL_SUMMED = (
     "elements", "blocks", "dense_bytes", "bytes_sent", "bytes_received", "blocks_sent", "blocks_received",
+    "union_blocks",
     "messages_sent", "messages_received",
 )
 _SUMMED = (*_PARALLEL_SUMMED, "rounds", "seconds")

@@ -120,7 +120,8 @@ OMNIREDUCE_MASK_THREADS = "OMNIREDUCE_MASK_THREADS"
 #: "0" keeps glibc's malloc thresholds as they are; "1" (the default) fixes them when the
 #: first worker or aggregator of the process starts (see :mod:`omnireduce.memory`).
 OMNIREDUCE_MALLOC_TUNE = "OMNIREDUCE_MALLOC_TUNE"
-#: A sharded or co-located worker's op of ``b`` bytes (its dense size) goes to
+#: A sharded or co-located worker's op expected to move ``b`` bytes (its dense size times
+#: the union density of the last op of the same tensor) goes to
 #: ``ceil(b / OMNIREDUCE_SHARD_BYTES)`` shards (at least one, at most all), taken in turn
 #: from op to op; 0 sends every op to every shard.
 OMNIREDUCE_SHARD_BYTES = "OMNIREDUCE_SHARD_BYTES"
@@ -136,8 +137,9 @@ DEFAULT_JOB = "default"
 DEFAULT_HEARTBEAT = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 # A shard's part of an op costs a message each way on every rank and on the shard: below
-# about a MiB per shard those messages, not the links, bound the op (bench/RESULTS.md).
-DEFAULT_SHARD_BYTES = 1 << 20
+# a few hundred KiB per shard those messages, not the links, bound the op; a whole MiB on
+# one shard's link already loses at 1 Gbit/s (bench/RESULTS.md).
+DEFAULT_SHARD_BYTES = 256 << 10
 #: The mask pass streams memory: beyond a few threads the bandwidth, not the cores, bounds it.
 MAX_MASK_THREADS = 8
 

@@ -375,3 +375,58 @@ def test_shard_bytes_is_checked_and_read_from_the_environment(shards: list[Aggre
     # The option means nothing to a plain worker, which takes it all the same.
     with connect(addresses[0], rank=0, world_size=1, job="one", timeout=20, shard_bytes=5) as w:
         assert type(w) is Worker
+
+
+def test_a_sparse_tensor_takes_the_shards_its_last_union_needs(shards: list[Aggregator]) -> None:
+    """The first op of a tensor counts its dense size; the next ones its last union's."""
+    import torch
+
+    addresses = [a.address for a in shards]
+    world = 2
+    x = [np.zeros(1600, np.float32) for _ in range(world)]
+    x[0][0:16], x[1][32:48] = 1.0, 2.0  # 2 of 100 blocks: 128 bytes of a 6400-byte tensor
+    # 400-row table of 4 float32 (6400 bytes): rows 3 and 7 (rank 0), 7 (rank 1): 32 bytes.
+    coo = [torch.sparse_coo_tensor(torch.tensor([[3, 7] if r == 0 else [7]]), torch.ones(2 - r, 4), (400, 4))
+           for r in range(world)]
+
+    def rank(r: int) -> tuple[list[Any], list[list[int]]]:
+        with connect(addresses, rank=r, world_size=world, job="unions", timeout=20, block_size=16,
+                     message_blocks=4, streams=2, shard_bytes=400) as w:
+            out, ops = [], []
+            for t, kw in [(x[r], {}), (x[r], {}), (x[r], {"key": "other"}), (x[r], {"key": "other"}),
+                          (coo[r], {}), (coo[r], {})]:
+                before = [s.stats.ops for s in w.shards]
+                out.append(w.allreduce(t, **kw))
+                ops.append([s.stats.ops - b for s, b in zip(w.shards, before, strict=True)])
+            return out, ops
+
+    got = run_ranks(world, rank)
+    for r in range(world):
+        out, ops = got[r]
+        assert [sum(o) for o in ops] == [3, 1, 3, 1, 3, 1]
+        for y in out[:4]:
+            assert np.array_equal(y, x[0] + x[1])
+        for y in out[4:]:
+            assert torch.equal(y.to_dense(), coo[0].to_dense() + coo[1].to_dense())
+
+
+def test_an_op_waits_for_the_last_of_its_key_to_choose_alike_on_every_rank(shards: list[Aggregator]) -> None:
+    addresses = [a.address for a in shards]
+    x = np.zeros(1600, np.float32)
+    x[0:16] = 1.0
+
+    def rank(r: int) -> list[int]:
+        with connect(addresses, rank=r, world_size=2, job="in-flight-key", timeout=20, block_size=16,
+                     message_blocks=4, streams=2, shard_bytes=400) as w:
+            # Rank 1 is late: rank 0's second op is chosen while its first is still waiting for rank 1.
+            if r == 1:
+                time.sleep(0.5)
+            first = w.allreduce_async(x)
+            second = w.allreduce_async(x)  # waits for the first to learn its union
+            assert first.done()
+            for f in (first, second):
+                assert np.array_equal(f.result(timeout=20), 2 * x)
+            return [s.stats.ops for s in w.shards]
+
+    # 3 shards for the first (6400 dense bytes), 1 for the second (a 64-byte union): shard 0 twice.
+    assert run_ranks(2, rank) == [[2, 1, 1], [2, 1, 1]]

@@ -19,14 +19,16 @@ tensor) are dealt instead: row ``r`` to shard ``r % S`` (:meth:`SparseRows.deal`
 so that a table whose frequent rows come first does not load one shard and its link.
 
 A small op is not split over every shard: each shard's part costs a message each
-way on every rank and on the shard, and below about a MiB per shard those
-messages, not the links, bound the op. An op of ``b`` bytes (its dense size, the
-same on every rank) goes to ``ceil(b / shard_bytes)`` shards (at least one, at
-most all; ``OMNIREDUCE_SHARD_BYTES``), taken in turn from op to op so that every
-shard, and every co-located rank's process, gets its share of the small ops.
-Every rank makes the same choice from the same op sequence, so each shard sees
-the same ops from every rank; a shard may get an empty chunk (a tensor of fewer
-blocks than the shards it goes to).
+way on every rank and on the shard, and below a few hundred KiB per shard those
+messages, not the links, bound the op. An op expected to move ``b`` bytes goes to
+``ceil(b / shard_bytes)`` shards (at least one, at most all; ``OMNIREDUCE_SHARD_BYTES``),
+taken in turn from op to op so that every shard, and every co-located rank's
+process, gets its share of the small ops. ``b`` is the tensor's dense size times
+the union density of the last op of the same tensor (the same kind and size, and
+the same ``key=``), which every rank measured alike; the first op of a tensor
+counts its dense size. Every rank makes the same choice from the same op
+sequence, so each shard sees the same ops from every rank; a shard may get an
+empty chunk (a tensor of fewer blocks than the shards it goes to).
 
 ``worker.connect([addr0, addr1], ...)`` or ``worker.connect("tcp://a:5555,tcp://b:5555", ...)``
 (or a comma-separated ``OMNIREDUCE_ADDRESS``) returns a :class:`ShardedWorker`.
@@ -35,9 +37,10 @@ blocks than the shards it goes to).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -61,6 +64,7 @@ __all__ = ["ShardedWorker", "shard_bounds"]
 
 # Blocks sampled to guess a tensor's density, which decides how its result is allocated.
 _SAMPLE_BLOCKS = 1024
+_WAIT_MARGIN_S = 60.0
 def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, int]]:
     """The element range ``[lo, hi)`` of every shard's chunk of a tensor.
 
@@ -95,6 +99,11 @@ class _Gather:
         self.left = parts
         self.settled = False
         self.lock = threading.Lock()
+        #: The union's share of the tensor's blocks once the op succeeded (the same on
+        #: every rank: what the next op of its key estimates its bytes from); None if it failed.
+        self.density: float | None = None
+        #: Set once the op completed (and ``density`` is final), before its future is.
+        self.done = threading.Event()
 
     def on_done(self, i: int, fut: Future) -> None:
         # Runs on the communication thread, right after part i's shard worker recorded
@@ -112,6 +121,7 @@ class _Gather:
                     return
             self.settled = True
         if error is not None:
+            self.done.set()
             _settle(self.future, error=self.owner._shard_error(k, error))
             return
         try:
@@ -119,9 +129,15 @@ class _Gather:
         except Exception as e:  # a failed conversion fails this op, not a shard's thread
             logger.exception("sharded worker rank %d of job %r: result conversion failed",
                              self.owner.rank, self.owner.job)
+            self.done.set()
             _settle(self.future, error=e if isinstance(e, OmniReduceError) else OpError(f"result conversion: {e!r}"))
             return
+        # The worker keeps this object for the next op of its key: not the results.
+        self.results = []
         merged = self.owner._record(self.stats, time.monotonic() - self.started)
+        # A dense-path op sent every block: its union is unknown, the whole tensor bounds it.
+        self.density = merged.union_density if merged.path == "sparse" else 1.0
+        self.done.set()
         # As a plain Worker's future: who waits can see what the op moved (the DDP hook's auto mode).
         self.future.op_stats = merged  # type: ignore[attr-defined]
         _settle(self.future, result=result)
@@ -142,8 +158,8 @@ class ShardedWorker(SettingsView):
         world_size: the number of workers; default ``$WORLD_SIZE``.
         job: the job id; default ``$OMNIREDUCE_JOB``, else "default".
         context: ZeroMQ context shared by the shards' workers; a private one each by default.
-        shard_bytes: an op of ``b`` bytes goes to ``ceil(b / shard_bytes)`` shards (at
-            least one, at most all), in turn; 0 sends every op to every shard. Default
+        shard_bytes: an op expected to move ``b`` bytes goes to ``ceil(b / shard_bytes)``
+            shards (at least one, at most all), in turn; 0 sends every op to every shard. Default
             ``$OMNIREDUCE_SHARD_BYTES``, else :data:`omnireduce.config.DEFAULT_SHARD_BYTES`.
             Every worker of a job must use the same value.
         settings: settings resolved already, instead of ``rank``, ``world_size``, ``job``
@@ -203,6 +219,9 @@ class ShardedWorker(SettingsView):
         # The shard the next op starts at (under _submit_lock): ops of fewer shards than
         # there are take the shards in turn.
         self._turn = 0
+        # Per key (kind, dense bytes, the caller's key), the last op: its union density
+        # estimates the next one's bytes.
+        self._last_of: dict[Hashable, _Gather] = {}
         logger.info("worker rank %d of job %r: %d aggregator shards: %s", self.rank, self.job, len(addresses),
                     ", ".join(addresses))
 
@@ -240,7 +259,7 @@ class ShardedWorker(SettingsView):
             ConfigError: ``x`` is not supported, or ``inplace``/``out`` do not fit it.
             WorkerClosedError: the worker is closed, or a shard refused an earlier op.
         """
-        parts = self._parts_for(x, kwargs)
+        parts, key = self._parts_for(x, kwargs)
         if is_rows(x):
             chunks, finish = self._split_rows(x, inplace, out, parts)
             chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
@@ -276,6 +295,8 @@ class ShardedWorker(SettingsView):
                     err = self._shard_error(k, e)
                     raise err from e
             self._turn = (targets[-1] + 1) % nshards
+            if key is not None:
+                self._last_of[key] = gather
         for i, f in enumerate(shard_futures):
             f.add_done_callback(lambda f, i=i: gather.on_done(i, f))
         return fut
@@ -309,18 +330,42 @@ class ShardedWorker(SettingsView):
 
     # Splitting and joining.
 
-    def _parts_for(self, x: Any, kwargs: dict[str, Any]) -> int:
-        """How many shards an op of ``x`` goes to: one per ``shard_bytes`` of its dense
-        size (known alike on every rank, unlike its nonzero count), at least one."""
+    def _parts_for(self, x: Any, kwargs: dict[str, Any]) -> tuple[int, Hashable | None]:
+        """How many shards an op of ``x`` goes to, and the key of its history.
+
+        One per ``shard_bytes`` of its expected bytes (at least one): its dense size
+        times the union density of the last op of the same key (same kind, same dense
+        size, same ``key=``), which every rank measured alike; the dense size alone for
+        the first. A rank's own nonzero count would not do: the ranks must agree.
+        """
         nshards = len(self.shards)
         # A weighted op reports a compute time (given or measured) for batch balancing,
         # whose recommendation shard 0 must see: such ops go to every shard.
         if self.shard_bytes == 0 or kwargs.get("weight") is not None or kwargs.get("compute_time") is not None:
-            return nshards
+            return nshards, None
         nbytes = _dense_bytes(x)
         if nbytes is None:
-            return nshards  # not a tensor: the split raises the error naming its type
-        return max(1, min(nshards, -(-nbytes // self.shard_bytes)))
+            return nshards, None  # not a tensor: the split raises the error naming its type
+        key = (is_rows(x), nbytes, kwargs.get("key"))
+        expected = nbytes * self._last_density(key)
+        return max(1, min(nshards, math.ceil(expected / self.shard_bytes))), key
+
+    def _last_density(self, key: Hashable) -> float:
+        """The union density of the last op of ``key``; 1 if there was none or it failed.
+
+        Waits for that op if it is still running, so that the estimate does not depend on
+        timing (every rank must choose the same shards) — except on the communication
+        thread (a callback), which cannot wait for itself: such a rare op takes 1.
+        """
+        last = self._last_of.get(key)
+        if last is None:
+            return 1.0
+        if not last.done.is_set():
+            if self._loop.on_thread:
+                return 1.0
+            # Every op ends within its timeout (failed if need be); the margin is for safety.
+            last.done.wait(self.timeout + _WAIT_MARGIN_S)
+        return 1.0 if last.density is None else last.density
 
     def _split_host(
         self, x: Any, inplace: bool, out: np.ndarray | None, parts: int

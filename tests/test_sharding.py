@@ -334,6 +334,8 @@ def test_small_ops_take_the_shards_in_turn(shards: list[Aggregator]) -> None:
                 before = [s.stats.ops for s in w.shards]
                 out.append(w.allreduce(x))
                 ops.append([s.stats.ops - b for s, b in zip(w.shards, before, strict=True)])
+                # The op's number is the sharded worker's, not a shard's count of its parts.
+                assert w.stats.last is not None and w.stats.last.op == len(ops) - 1
             before = [s.stats.ops for s in w.shards]
             out.append(w.allreduce(inputs[r][0], weight=r + 1.0))
             ops.append([s.stats.ops - b for s, b in zip(w.shards, before, strict=True)])

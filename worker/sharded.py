@@ -97,6 +97,8 @@ class _Gather:
         self.results: list[Any] = [None] * parts
         self.stats: list[OpStats | None] = [None] * parts
         self.left = parts
+        #: The sharded worker's number of this op (its shards number their parts their own way).
+        self.op = 0
         self.settled = False
         self.lock = threading.Lock()
         #: The union's share of the tensor's blocks once the op succeeded (the same on
@@ -134,7 +136,7 @@ class _Gather:
             return
         # The worker keeps this object for the next op of its key: not the results.
         self.results = []
-        merged = self.owner._record(self.stats, time.monotonic() - self.started)
+        merged = self.owner._record(self.stats, time.monotonic() - self.started, self.op)
         # A dense-path op sent every block: its union is unknown, the whole tensor bounds it.
         self.density = merged.union_density if merged.path == "sparse" else 1.0
         self.done.set()
@@ -219,6 +221,8 @@ class ShardedWorker(SettingsView):
         # The shard the next op starts at (under _submit_lock): ops of fewer shards than
         # there are take the shards in turn.
         self._turn = 0
+        # Ops taken so far: an op's number in its stats (a shard sees only the ops sent to it).
+        self._ops = 0
         # Per key (kind, dense bytes, the caller's key), the last op: its union density
         # estimates the next one's bytes.
         self._last_of: dict[Hashable, _Gather] = {}
@@ -295,6 +299,8 @@ class ShardedWorker(SettingsView):
                     err = self._shard_error(k, e)
                     raise err from e
             self._turn = (targets[-1] + 1) % nshards
+            gather.op = self._ops
+            self._ops += 1
             if key is not None:
                 self._last_of[key] = gather
         for i, f in enumerate(shard_futures):
@@ -472,8 +478,9 @@ class ShardedWorker(SettingsView):
         new.__cause__ = error
         return new
 
-    def _record(self, parts: list[OpStats | None], seconds: float) -> OpStats:
+    def _record(self, parts: list[OpStats | None], seconds: float, op: int) -> OpStats:
         merged = merge_parallel([p for p in parts if p is not None], seconds)
+        merged.op = op
         with self._stats_lock:
             self.stats.add(merged)
         return merged

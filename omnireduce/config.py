@@ -120,8 +120,8 @@ OMNIREDUCE_MASK_THREADS = "OMNIREDUCE_MASK_THREADS"
 #: "0" keeps glibc's malloc thresholds as they are; "1" (the default) fixes them when the
 #: first worker or aggregator of the process starts (see :mod:`omnireduce.memory`).
 OMNIREDUCE_MALLOC_TUNE = "OMNIREDUCE_MALLOC_TUNE"
-#: A sharded or co-located worker's op expected to move ``b`` bytes (its dense size times
-#: the union density of the last op of the same tensor) goes to
+#: A sharded or co-located worker's op expected to move ``b`` bytes (its dense size, or with
+#: a ``key=`` that times the union density of the last op of the key) goes to
 #: ``ceil(b / OMNIREDUCE_SHARD_BYTES)`` shards (at least one, at most all), taken in turn
 #: from op to op; 0 sends every op to every shard.
 OMNIREDUCE_SHARD_BYTES = "OMNIREDUCE_SHARD_BYTES"

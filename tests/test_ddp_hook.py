@@ -20,9 +20,11 @@ class _Worker:
 
     def __init__(self) -> None:
         self.calls: list[Any] = []
+        self.keys: list[Any] = []
 
-    def allreduce_async(self, x: Any, inplace: bool = False, weight: float | None = None) -> Future:
+    def allreduce_async(self, x: Any, inplace: bool = False, weight: float | None = None, key: Any = None) -> Future:
         self.calls.append(x)
+        self.keys.append(key)
         f: Future = Future()
         f.set_result(x if not isinstance(x, SparseRows) else SparseRows(x.rows, x.values.copy(), x.num_rows))
         return f
@@ -100,6 +102,9 @@ def test_after_the_first_pass_a_sparse_gradient_followed_by_a_dense_bucket_goes_
     assert _kinds(w.calls) == [("rows", 10), ("dense", 8)]
     futures.append(omnireduce_hook(state, second[3]))
     assert _kinds(w.calls) == [("rows", 10), ("dense", 8), ("rows", 12)]
+    # A dense bucket's op names it from step to step (a sharded worker sizes it from its last
+    # union); rows sent through the hold (joined or not) have no key of their own.
+    assert w.keys[-3:] == [None, (1, 8, torch.float32), None]
     for b, f in zip(second, futures, strict=True):
         got, want = f.wait(), b.buffer()
         assert torch.equal(got.to_dense(), want.to_dense()) if want.is_sparse else torch.equal(got, want)

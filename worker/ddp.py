@@ -229,7 +229,9 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
         buf.div_(state.worker.world_size)
     try:
         # A CPU bucket takes its sum in place: no result to allocate and copy back.
-        source = state.worker.allreduce_async(buf, inplace=not buf.is_cuda and buf.is_contiguous(), weight=weight)
+        # The key names the bucket from step to step: a sharded worker sizes the op from its last union.
+        source = state.worker.allreduce_async(buf, inplace=not buf.is_cuda and buf.is_contiguous(), weight=weight,
+                                              key=key)
     except BaseException as e:
         state.record(e)
         raise
@@ -298,7 +300,7 @@ def _sparse_bucket(state: OmniReduceState, index: int, grad: torch.Tensor) -> to
         state._held.append((index, grad, held))
         return complete_torch_future(held, grad, what, state)
     try:
-        source = state.worker.allreduce_async(grad, weight=weight)
+        source = state.worker.allreduce_async(grad, weight=weight, key=("sparse", index))
     except BaseException as e:
         state.record(e)
         raise

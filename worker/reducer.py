@@ -29,10 +29,11 @@ __all__ = ["GradientReducer"]
 
 
 class _Bucket:
-    __slots__ = ("params", "ready", "future", "buffer")
+    __slots__ = ("params", "index", "ready", "future", "buffer")
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], index: int) -> None:
         self.params = params
+        self.index = index
         self.ready = 0
         self.future: Future | None = None
         self.buffer: torch.Tensor | None = None
@@ -69,12 +70,12 @@ class GradientReducer:
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
             if current and (size + nbytes > cap or p.dtype != current[0].dtype):
-                self._buckets.append(_Bucket(current))
+                self._buckets.append(_Bucket(current, len(self._buckets)))
                 current, size = [], 0
             current.append(p)
             size += nbytes
         if current:
-            self._buckets.append(_Bucket(current))
+            self._buckets.append(_Bucket(current, len(self._buckets)))
         self._bucket_of: dict[int, int] = {}
         for i, b in enumerate(self._buckets):
             for p in b.params:
@@ -119,7 +120,7 @@ class GradientReducer:
             flat.div_(self.worker.world_size)
         b.buffer = flat
         try:
-            b.future = self.worker.allreduce_async(flat)
+            b.future = self.worker.allreduce_async(flat, key=("bucket", b.index))
         except BaseException as e:
             self.error = e
             raise

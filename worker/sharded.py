@@ -23,10 +23,11 @@ way on every rank and on the shard, and below a few hundred KiB per shard those
 messages, not the links, bound the op. An op expected to move ``b`` bytes goes to
 ``ceil(b / shard_bytes)`` shards (at least one, at most all; ``OMNIREDUCE_SHARD_BYTES``),
 taken in turn from op to op so that every shard, and every co-located rank's
-process, gets its share of the small ops. ``b`` is the tensor's dense size times
-the union density of the last op of the same tensor (the same kind and size, and
-the same ``key=``), which every rank measured alike; the first op of a tensor
-counts its dense size. Every rank makes the same choice from the same op
+process, gets its share of the small ops. ``b`` is the tensor's dense size; for
+an op given a ``key=`` (the DDP hook gives each bucket one), its dense size times
+the union density of the last op of that key (and kind and size), which every
+rank measured alike. An op waits for the last op of its key if that one is still
+running, so a key must name one tensor, not ops meant to overlap. Every rank makes the same choice from the same op
 sequence, so each shard sees the same ops from every rank; a shard may get an
 empty chunk (a tensor of fewer blocks than the shards it goes to).
 
@@ -339,10 +340,10 @@ class ShardedWorker(SettingsView):
     def _parts_for(self, x: Any, kwargs: dict[str, Any]) -> tuple[int, Hashable | None]:
         """How many shards an op of ``x`` goes to, and the key of its history.
 
-        One per ``shard_bytes`` of its expected bytes (at least one): its dense size
-        times the union density of the last op of the same key (same kind, same dense
-        size, same ``key=``), which every rank measured alike; the dense size alone for
-        the first. A rank's own nonzero count would not do: the ranks must agree.
+        One per ``shard_bytes`` of its expected bytes (at least one): its dense size, or
+        with a ``key=``, that times the union density of the last op of the same key (same
+        kind, same dense size), which every rank measured alike. A rank's own nonzero
+        count would not do: the ranks must agree.
         """
         nshards = len(self.shards)
         # A weighted op reports a compute time (given or measured) for batch balancing,
@@ -352,7 +353,11 @@ class ShardedWorker(SettingsView):
         nbytes = _dense_bytes(x)
         if nbytes is None:
             return nshards, None  # not a tensor: the split raises the error naming its type
-        key = (is_rows(x), nbytes, kwargs.get("key"))
+        if kwargs.get("key") is None:
+            # No history without a key: ops of one size may be meant to run at once (DDP
+            # buckets of equal size), and the next must not wait for the last.
+            return max(1, min(nshards, math.ceil(nbytes / self.shard_bytes))), None
+        key = (is_rows(x), nbytes, kwargs["key"])
         expected = nbytes * self._last_density(key)
         return max(1, min(nshards, math.ceil(expected / self.shard_bytes))), key
 

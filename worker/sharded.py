@@ -27,9 +27,10 @@ process, gets its share of the small ops. ``b`` is the tensor's dense size; for
 an op given a ``key=`` (the DDP hook gives each bucket one), its dense size times
 the union density of the last op of that key (and kind and size), which every
 rank measured alike. An op waits for the last op of its key if that one is still
-running, so a key must name one tensor, not ops meant to overlap. Every rank makes the same choice from the same op
-sequence, so each shard sees the same ops from every rank; a shard may get an
-empty chunk (a tensor of fewer blocks than the shards it goes to).
+running, so a key must name one tensor, not ops meant to overlap. Every rank makes
+the same choice from the same op sequence, so each shard sees the same ops from
+every rank; a shard may get an empty chunk (a tensor of fewer blocks than the
+shards it goes to).
 
 ``worker.connect([addr0, addr1], ...)`` or ``worker.connect("tcp://a:5555,tcp://b:5555", ...)``
 (or a comma-separated ``OMNIREDUCE_ADDRESS``) returns a :class:`ShardedWorker`.
@@ -87,7 +88,7 @@ def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, i
 class _Gather:
     """Completes one sharded op's future once every shard's future has completed."""
 
-    def __init__(self, owner: ShardedWorker, future: Future, targets: list[int], finish: Any) -> None:
+    def __init__(self, owner: ShardedWorker, future: Future, op: int, targets: list[int], finish: Any) -> None:
         self.owner = owner
         self.future = future
         self.finish = finish
@@ -99,7 +100,7 @@ class _Gather:
         self.stats: list[OpStats | None] = [None] * parts
         self.left = parts
         #: The sharded worker's number of this op (its shards number their parts their own way).
-        self.op = 0
+        self.op = op
         self.settled = False
         self.lock = threading.Lock()
         #: The union's share of the tensor's blocks once the op succeeded (the same on
@@ -282,7 +283,7 @@ class ShardedWorker(SettingsView):
                 ) from self._broken
             nshards = len(self.shards)
             targets = [(self._turn + i) % nshards for i in range(parts)]
-            gather = _Gather(self, fut, targets, finish)
+            gather = _Gather(self, fut, self._ops, targets, finish)
             shard_futures = []
             for i, (k, chunk) in enumerate(zip(targets, chunks, strict=True)):
                 try:
@@ -300,7 +301,6 @@ class ShardedWorker(SettingsView):
                     err = self._shard_error(k, e)
                     raise err from e
             self._turn = (targets[-1] + 1) % nshards
-            gather.op = self._ops
             self._ops += 1
             if key is not None:
                 self._last_of[key] = gather
@@ -353,12 +353,10 @@ class ShardedWorker(SettingsView):
         nbytes = _dense_bytes(x)
         if nbytes is None:
             return nshards, None  # not a tensor: the split raises the error naming its type
-        if kwargs.get("key") is None:
-            # No history without a key: ops of one size may be meant to run at once (DDP
-            # buckets of equal size), and the next must not wait for the last.
-            return max(1, min(nshards, math.ceil(nbytes / self.shard_bytes))), None
-        key = (is_rows(x), nbytes, kwargs["key"])
-        expected = nbytes * self._last_density(key)
+        # No history without a key: ops of one size may be meant to run at once (DDP
+        # buckets of equal size), and the next must not wait for the last.
+        key = None if kwargs.get("key") is None else (is_rows(x), nbytes, kwargs["key"])
+        expected = nbytes if key is None else nbytes * self._last_density(key)
         return max(1, min(nshards, math.ceil(expected / self.shard_bytes))), key
 
     def _last_density(self, key: Hashable) -> float:

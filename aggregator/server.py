@@ -16,7 +16,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -194,7 +194,11 @@ class Aggregator:
         self._serve()
 
     def close(self) -> None:
-        """Stops serving and releases the socket; in-flight ops are abandoned."""
+        """Stops serving and releases the socket; in-flight ops are abandoned.
+
+        An aggregator served by another loop (:meth:`serve_sockets`) is closed after that
+        loop stopped serving it (:meth:`serve_end`).
+        """
         if self._closed:
             return
         self._closed = True
@@ -208,7 +212,7 @@ class Aggregator:
         if not self._serving or self._thread is not None:
             self._close_sockets()
         # With serve_forever in another thread, that thread closes the sockets and
-        # term() waits for it.
+        # term() waits for it; a loop serving it (serve_sockets) calls serve_end.
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -314,35 +318,64 @@ class Aggregator:
     def _serve(self) -> None:
         self._serving = True
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._mon, zmq.POLLIN)
-        counters = self.counters
+        for sock in (self._sock, self._mon):
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(_POLL_MS))
-                if self._mon in events:
-                    self._read_monitor()
-                # Read even without POLLIN: a message may have come after the poll, before
-                # the monitor told of its connection's end.
-                drained = False
-                for _ in range(_BATCH):
-                    try:
-                        frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        drained = True
-                        break
-                    peer = frames[0].bytes
-                    if peer not in self._peer_conn:
-                        self._track(peer, frames[0])
-                    counters.bytes_in += transport.frames_nbytes(frames) - len(peer)
-                    # A peer with a socket descriptor sent a copy (TCP, IPC); an inproc
-                    # peer (a co-located worker) handed over its own memory.
-                    owned = self._peer_conn.get(peer) is not None
-                    self._send_all(self.engine.handle(peer, frames[1:], owned=owned))
-                self._declare_departures(drained)
-                self._send_all(self.engine.expire())
+                self.serve_step(dict(poller.poll(_POLL_MS)))
         except Exception:
             logger.exception("aggregator loop died")
             raise
         finally:
             self._close_sockets()
+
+    # Serving from another loop: a co-located worker's communication thread polls these
+    # sockets with its own, so that its shard needs no thread (and no wake-up) of its own.
+
+    def serve_sockets(self) -> list[zmq.Socket]:
+        """The sockets to poll for input, whose events :meth:`serve_step` takes.
+
+        Whoever serves the aggregator this way (one thread, instead of :meth:`start`)
+        calls :meth:`serve_step` after every poll and at least every
+        :attr:`serve_interval_ms`, and :meth:`serve_end` on that thread when done.
+
+        Raises:
+            RuntimeError: the aggregator is served already, or closed.
+        """
+        if self._serving or self._thread is not None or self._closed:
+            raise RuntimeError("aggregator already served or closed")
+        self._serving = True
+        return [self._sock, self._mon]
+
+    #: How long a loop serving the aggregator may poll before calling :meth:`serve_step`
+    #: again (ops time out on it).
+    serve_interval_ms = _POLL_MS
+
+    def serve_step(self, events: Mapping[Any, int]) -> None:
+        """Handles what arrived: ``events`` is the poll's result for :meth:`serve_sockets`."""
+        if self._mon in events:
+            self._read_monitor()
+        counters = self.counters
+        # Read even without POLLIN: a message may have come after the poll, before
+        # the monitor told of its connection's end.
+        drained = False
+        for _ in range(_BATCH):
+            try:
+                frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                drained = True
+                break
+            peer = frames[0].bytes
+            if peer not in self._peer_conn:
+                self._track(peer, frames[0])
+            counters.bytes_in += transport.frames_nbytes(frames) - len(peer)
+            # A peer with a socket descriptor sent a copy (TCP, IPC); an inproc
+            # peer (a co-located worker) handed over its own memory.
+            owned = self._peer_conn.get(peer) is not None
+            self._send_all(self.engine.handle(peer, frames[1:], owned=owned))
+        self._declare_departures(drained)
+        self._send_all(self.engine.expire())
+
+    def serve_end(self) -> None:
+        """Closes the sockets: called on the thread that served them, when it stops."""
+        self._close_sockets()

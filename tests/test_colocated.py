@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from aggregator import Aggregator
-from omnireduce import ConfigError, OmniReduceError
+from omnireduce import ConfigError, OmniReduceError, WorkerClosedError
 from tests.helpers import ThreadExchange, run_ranks, sparse
 from worker import Worker
 from worker.colocated import ColocatedWorker
@@ -202,3 +202,84 @@ def test_a_shard_never_writes_into_its_own_ranks_input(dtype: type) -> None:
     for r, (x, y) in enumerate(run_ranks(world, rank)):
         np.testing.assert_array_equal(y, np.sum(xs, axis=0, dtype=np.float32).astype(dtype))
         np.testing.assert_array_equal(x, xs[r])
+
+
+def _threads(name: str) -> int:
+    return sum(t.name == name for t in threading.enumerate())
+
+
+def test_the_shard_is_served_by_the_ranks_communication_thread() -> None:
+    """No thread of the shard's own: the rank's communication thread polls its sockets too."""
+    ex = ThreadExchange(2)
+    x = np.arange(64, dtype=np.float32)
+    before = _threads("omnireduce-aggregator"), _threads("omnireduce-worker-r0"), _threads("omnireduce-worker-r1")
+
+    def rank(r: int) -> np.ndarray:
+        with ColocatedWorker(ex(r), r, 2, job="one-thread-coloc", **SMALL) as w:
+            y = w.allreduce(x)
+            assert _threads("omnireduce-aggregator") == before[0]
+            assert _threads(f"omnireduce-worker-r{r}") == before[1 + r] + 1
+            with pytest.raises(RuntimeError, match="already served"):
+                w.aggregator.serve_sockets()
+            return y
+
+    for y in run_ranks(2, rank):
+        np.testing.assert_array_equal(y, 2 * x)
+
+
+def test_a_bug_in_a_ranks_shard_fails_every_ranks_op() -> None:
+    """The shard's failure kills its rank's communication thread: that rank's op raises at
+    once; the other rank's op raises too, at its timeout at the latest (a rank that went
+    away may come back, so it is waited for), never hangs."""
+    ex = ThreadExchange(2)
+    ready = threading.Barrier(2)
+    timeout = 2.0
+
+    def rank(r: int) -> tuple[float, BaseException]:
+        w = ColocatedWorker(ex(r), r, 2, job="shard-bug", close_timeout=0.5, **{**SMALL, "timeout": timeout})
+        try:
+            w.allreduce(np.ones(100, np.float32))
+            if r == 0:
+                def boom(*_a: Any, **_k: Any) -> Any:
+                    raise RuntimeError("injected shard bug")
+
+                w.aggregator.engine.handle = boom  # type: ignore[method-assign]
+            ready.wait(10)
+            t0 = time.monotonic()
+            with pytest.raises(OmniReduceError) as e:
+                w.allreduce(np.ones(100, np.float32))
+            return time.monotonic() - t0, e.value
+        finally:
+            w.close()
+
+    (took0, e0), (took1, e1) = run_ranks(2, rank)
+    assert isinstance(e0, WorkerClosedError) and "injected shard bug" in str(e0), e0
+    assert took0 < 1 and took1 < timeout + 3, (took0, e0, took1, e1)
+
+
+def test_closing_on_the_communication_thread_is_refused() -> None:
+    ex = ThreadExchange(1)
+    with ColocatedWorker(ex(0), 0, 1, job="cb-close-coloc", **SMALL) as w:
+        errors: list[BaseException] = []
+
+        ran = threading.Event()
+
+        def close(_f: Any) -> None:
+            try:
+                if w._loop.on_thread:  # else the op was done before its callback was added: try again
+                    w.close()
+            except RuntimeError as e:
+                errors.append(e)
+            finally:
+                ran.set()
+
+        for _ in range(50):
+            ran.clear()
+            fut = w.allreduce_async(np.ones(10, np.float32))
+            fut.add_done_callback(close)
+            fut.result(timeout=10)
+            assert ran.wait(5)
+            if errors:
+                break
+        assert errors and "communication thread" in str(errors[0])
+        np.testing.assert_array_equal(w.allreduce(np.ones(10, np.float32)), np.ones(10, np.float32))

@@ -127,7 +127,6 @@ class ColocatedWorker(ShardedWorker):
             self._shared_ctx.term()
             raise
         try:
-            self.aggregator.start()
             public = self.aggregator.address
             addresses = list(exchange(public))
             if len(addresses) != world_size or not all(isinstance(a, str) for a in addresses):
@@ -139,6 +138,16 @@ class ColocatedWorker(ShardedWorker):
             addresses[rank] = inproc
             super().__init__(addresses, rank, world_size, context=self._shared_ctx, **worker_options)
         except BaseException:
+            self.aggregator.close()
+            self._shared_ctx.term()
+            raise
+        try:
+            # The shard is served by this rank's communication thread: a message between
+            # the rank and its own shard wakes no other thread. Until now the other ranks'
+            # first messages wait in the socket.
+            self._loop.serve(self.aggregator)
+        except BaseException:
+            super().close()
             self.aggregator.close()
             self._shared_ctx.term()
             raise
@@ -160,15 +169,25 @@ class ColocatedWorker(ShardedWorker):
         connected any more (each says goodbye on close), or after ``close_timeout``.
         A process with several co-located workers should close them in the same
         order on every rank, or each close waits ``close_timeout`` for the others.
+
+        Raises:
+            RuntimeError: called on the worker's communication thread (an op's callback).
         """
         if self._closed:
             return
-        super().close()
+        if self._loop.on_thread:
+            # The thread would wait for itself to serve the shard, then close the context
+            # its own sockets are still open on.
+            raise RuntimeError("a co-located worker cannot be closed on its communication thread (in an op's "
+                               "callback): close it from another thread")
+        self._close_shards()
+        # The communication thread keeps serving this rank's shard meanwhile.
         deadline = time.monotonic() + self.close_timeout
-        while self.aggregator.engine.active_jobs and time.monotonic() < deadline:
+        while self.aggregator.engine.active_jobs and self._loop.alive and time.monotonic() < deadline:
             time.sleep(_POLL_S)
         if self.aggregator.engine.active_jobs:
-            logger.warning("rank %d: closing its aggregator shard with %d job(s) still on it after %g s",
-                           self.rank, self.aggregator.engine.active_jobs, self.close_timeout)
+            logger.warning("rank %d: closing its aggregator shard with %d job(s) still on it",
+                           self.rank, self.aggregator.engine.active_jobs)
+        self._loop.close()
         self.aggregator.close()
         self._shared_ctx.term()

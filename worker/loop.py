@@ -8,6 +8,11 @@ connections, so that an op split over ``S`` shards wakes one thread, not ``S``,
 and the shards' halves of the op run one after the other without contending for
 the GIL.
 
+The thread can also serve a :class:`Service`: a co-located worker's aggregator
+shard, whose sockets it polls with the connections' own. The rank's requests to
+its own shard and the shard's answers then pass between the two on one thread,
+with no thread of the shard's own to wake for every message.
+
 If the thread dies (a bug), every op pending or queued on every attached
 connection fails with :class:`omnireduce.errors.WorkerClosedError` naming the
 cause, and every later submission is refused.
@@ -19,8 +24,9 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -32,13 +38,34 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CommLoop", "fail_future"]
+__all__ = ["CommLoop", "Service", "fail_future"]
 
 _wake_ids = itertools.count()
 # Queue items: (connection, what): what is _ATTACH, an OpRequest, or None (close the
-# connection); a bare None stops the loop.
+# connection); (service, sockets) with _SERVE; a bare None stops the loop.
 _ATTACH = object()
-_Item = tuple["Connection", Any] | None
+_SERVE = object()
+_Item = tuple[Any, Any] | tuple[Any, Any, Any] | None
+
+
+class Service(Protocol):
+    """Something a :class:`CommLoop` serves besides its connections (an aggregator shard:
+    :class:`aggregator.server.Aggregator` is one)."""
+
+    #: The longest the loop may poll before calling :meth:`serve_step` again.
+    serve_interval_ms: int
+
+    def serve_sockets(self) -> list[zmq.Socket]:
+        """The sockets to poll for input; called once, before the loop takes them over."""
+        ...
+
+    def serve_step(self, events: Mapping[Any, int]) -> None:
+        """Handles what arrived (``events``: the poll's result, which may name none of its sockets)."""
+        ...
+
+    def serve_end(self) -> None:
+        """Closes the sockets; called on the loop's thread when it stops."""
+        ...
 
 
 class CommLoop:
@@ -92,6 +119,20 @@ class CommLoop:
             self._queue.put((conn, _ATTACH))
         self.wake()
 
+    def serve(self, service: Service) -> None:
+        """Serves ``service`` on the thread until the loop closes (which ends it).
+
+        Raises:
+            WorkerClosedError: the loop is closed or its thread died.
+            RuntimeError: ``service`` is served already.
+        """
+        with self._lock:
+            if self._stopping or self._dead is not None:
+                raise WorkerClosedError("the worker's communication thread is closed") from self._dead
+            sockets = service.serve_sockets()
+            self._queue.put((service, _SERVE, sockets))
+        self.wake()
+
     def put(self, conn: Connection, what: OpRequest | None) -> None:
         """Queues an op request of ``conn`` (or, with None, its close); the caller holds ``conn``'s lock."""
         self._queue.put((conn, what))
@@ -131,24 +172,29 @@ class CommLoop:
         poller = zmq.Poller()
         poller.register(self._wake_recv, zmq.POLLIN)
         active: list[Connection] = []
+        services: list[Service] = []
         try:
             while True:
                 for ch in active:
                     ch._poll_out(poller)
-                events = dict(poller.poll(_wait_ms(active)))
+                events = dict(poller.poll(_wait_ms(active, services)))
                 for ch in active:
                     if ch._mon in events:
                         ch._on_monitor()
                 if self._wake_recv in events:
                     while self._wake_recv.poll(0):
                         self._wake_recv.recv()
-                    if self._take(active, poller):
+                    if self._take(active, services, poller):
                         return
                 for ch in active:
                     if ch._sock in events:
                         ch._receive()
                 for ch in active:
                     ch._flush()
+                # After the flush: what this rank just sent its own shard is handled now.
+                for svc in services:
+                    svc.serve_step(events)
+                for ch in active:
                     ch._expire()
         except Exception as e:
             logger.exception("worker communication thread %s died", self._thread.name)
@@ -156,11 +202,13 @@ class CommLoop:
         finally:
             for ch in list(active):
                 self._finish(ch, active, poller, bye=True)
+            for svc in services:
+                _end_quietly(svc)
             self._wake_recv.close()
             if self._closed_here:
                 self._close_wake_send()
 
-    def _take(self, active: list[Connection], poller: zmq.Poller) -> bool:
+    def _take(self, active: list[Connection], services: list[Service], poller: zmq.Poller) -> bool:
         """Takes the queued items; True once the loop is told to stop."""
         while True:
             try:
@@ -169,7 +217,12 @@ class CommLoop:
                 return False
             if item is None:
                 return True
-            ch, what = item
+            if item[1] is _SERVE:
+                for sock in item[2]:
+                    poller.register(sock, zmq.POLLIN)
+                services.append(item[0])
+                continue
+            ch, what = item[:2]
             if what is _ATTACH:
                 poller.register(ch._sock, zmq.POLLIN)
                 poller.register(ch._mon, zmq.POLLIN)
@@ -204,15 +257,27 @@ class CommLoop:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is not None and item[1] is not None and item[1] is not _ATTACH:
+            if item is None or item[1] is None or item[1] is _ATTACH:
+                continue
+            if item[1] is _SERVE:
+                _end_quietly(item[0])  # never taken: its sockets are still to close
+            else:
                 fail_future(item[1].future, closed)
         for ch in channels:
             self._finish(ch, active, poller, bye=False, error=closed)
 
 
-def _wait_ms(active: list[Connection]) -> int | None:
+def _wait_ms(active: list[Connection], services: list[Service]) -> int | None:
     waits = [w for w in (ch._wait_ms() for ch in active) if w is not None]
+    waits += [svc.serve_interval_ms for svc in services]
     return min(waits) if waits else None
+
+
+def _end_quietly(svc: Service) -> None:
+    try:
+        svc.serve_end()
+    except Exception:
+        logger.exception("ending the service %r failed", svc)
 
 
 def fail_future(fut: Future, error: BaseException) -> None:

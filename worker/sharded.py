@@ -329,11 +329,14 @@ class ShardedWorker(SettingsView):
 
     def close(self) -> None:
         """Closes every shard's worker; pending ops fail with WorkerClosedError."""
+        self._close_shards()
+        self._loop.close()
+
+    def _close_shards(self) -> None:
         with self._submit_lock:
             self._closed = True
         for w in self.shards:
             w.close()
-        self._loop.close()
 
     # Splitting and joining.
 

@@ -183,14 +183,16 @@ class Aggregator:
 
     def start(self) -> Aggregator:
         """Serves in a background thread; returns self."""
-        if self._thread is not None:
-            raise RuntimeError("aggregator already started")
+        if self._thread is not None or self._serving or self._closed:
+            raise RuntimeError("aggregator already served or closed")
         self._thread = threading.Thread(target=self._serve, name="omnireduce-aggregator", daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
         """Serves in the calling thread until :meth:`close` is called from another thread."""
+        if self._thread is not None or self._serving or self._closed:
+            raise RuntimeError("aggregator already served or closed")
         self._serve()
 
     def close(self) -> None:

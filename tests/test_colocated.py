@@ -221,6 +221,8 @@ def test_the_shard_is_served_by_the_ranks_communication_thread() -> None:
             assert _threads(f"omnireduce-worker-r{r}") == before[1 + r] + 1
             with pytest.raises(RuntimeError, match="already served"):
                 w.aggregator.serve_sockets()
+            with pytest.raises(RuntimeError, match="already served"):
+                w.aggregator.start()
             return y
 
     for y in run_ranks(2, rank):
@@ -244,10 +246,16 @@ def test_a_bug_in_a_ranks_shard_fails_every_ranks_op() -> None:
                     raise RuntimeError("injected shard bug")
 
                 w.aggregator.engine.handle = boom  # type: ignore[method-assign]
-            ready.wait(10)
+            # Rank 0 submits first: a message of rank 1 reaching the broken shard earlier
+            # would kill rank 0's thread before its op was taken.
+            if r == 1:
+                ready.wait(10)
             t0 = time.monotonic()
             with pytest.raises(OmniReduceError) as e:
-                w.allreduce(np.ones(100, np.float32))
+                fut = w.allreduce_async(np.ones(100, np.float32))
+                if r == 0:
+                    ready.wait(10)
+                fut.result(timeout=timeout + 5)
             return time.monotonic() - t0, e.value
         finally:
             w.close()

@@ -200,10 +200,13 @@ class CommLoop:
             logger.exception("worker communication thread %s died", self._thread.name)
             self._die(e, active, poller)
         finally:
-            for ch in list(active):
-                self._finish(ch, active, poller, bye=True)
-            for svc in services:
-                _end_quietly(svc)
+            try:
+                for ch in list(active):
+                    self._finish(ch, active, poller, bye=True)
+            finally:
+                # Whatever happened above: a service's sockets left open would hang its context's term().
+                for svc in services:
+                    _end_quietly(svc)
             self._wake_recv.close()
             if self._closed_here:
                 self._close_wake_send()

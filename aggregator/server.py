@@ -183,16 +183,14 @@ class Aggregator:
 
     def start(self) -> Aggregator:
         """Serves in a background thread; returns self."""
-        if self._thread is not None or self._serving or self._closed:
-            raise RuntimeError("aggregator already served or closed")
+        self._claim()
         self._thread = threading.Thread(target=self._serve, name="omnireduce-aggregator", daemon=True)
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
         """Serves in the calling thread until :meth:`close` is called from another thread."""
-        if self._thread is not None or self._serving or self._closed:
-            raise RuntimeError("aggregator already served or closed")
+        self._claim()
         self._serve()
 
     def close(self) -> None:
@@ -317,8 +315,13 @@ class Aggregator:
         for _, peer, why in ready:
             self._send_all(self.engine.peer_gone(peer, why))
 
-    def _serve(self) -> None:
+    def _claim(self) -> None:
+        """Marks the aggregator served: by one thread or loop only, and never once closed."""
+        if self._serving or self._closed:
+            raise RuntimeError("aggregator already served or closed")
         self._serving = True
+
+    def _serve(self) -> None:
         poller = zmq.Poller()
         for sock in (self._sock, self._mon):
             poller.register(sock, zmq.POLLIN)
@@ -344,9 +347,7 @@ class Aggregator:
         Raises:
             RuntimeError: the aggregator is served already, or closed.
         """
-        if self._serving or self._thread is not None or self._closed:
-            raise RuntimeError("aggregator already served or closed")
-        self._serving = True
+        self._claim()
         return [self._sock, self._mon]
 
     #: How long a loop serving the aggregator may poll before calling :meth:`serve_step`

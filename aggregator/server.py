@@ -358,6 +358,11 @@ class Aggregator:
         """Handles what arrived: ``events`` is the poll's result for :meth:`serve_sockets`."""
         if self._mon in events:
             self._read_monitor()
+        elif self._sock not in events and not self._departed:
+            # Nothing came and no departure waits for the socket to be read empty: a
+            # co-located worker's loop calls this on every pass, most for its own sockets.
+            self._send_all(self.engine.expire())
+            return
         counters = self.counters
         # Read even without POLLIN: a message may have come after the poll, before
         # the monitor told of its connection's end.

@@ -109,3 +109,56 @@ def test_attach_to_closed_loop_is_refused(aggregator: Aggregator) -> None:
     loop.close()
     with pytest.raises(WorkerClosedError):
         Worker(aggregator.address, rank=0, world_size=1, job="closed-loop", loop=loop, **ONE)
+
+
+def test_held_wakes_wake_the_loop_once_at_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = CommLoop(name="held-wakes")
+    try:
+        woken: list[str] = []
+        monkeypatch.setattr(loop, "wake", lambda: woken.append(threading.current_thread().name))
+        loop.notify()
+        assert len(woken) == 1
+        with loop.held_wakes():
+            loop.notify()
+            with loop.held_wakes():
+                loop.notify()
+            assert len(woken) == 1  # the inner block's end is not the outermost
+            # Another thread's notify is not held by this thread's block.
+            other = threading.Thread(target=loop.notify, name="other")
+            other.start()
+            other.join()
+            assert woken[1:] == ["other"]
+        assert len(woken) == 3 and woken[2] == threading.current_thread().name
+        with loop.held_wakes():
+            pass
+        assert len(woken) == 3  # nothing queued, no wake-up owed
+        with pytest.raises(ValueError), loop.held_wakes():
+            loop.notify()
+            raise ValueError
+        assert len(woken) == 4  # what was queued before the error is still served
+    finally:
+        monkeypatch.undo()
+        loop.close()
+
+
+def test_a_sharded_op_wakes_its_loop_once(shards: list[Aggregator], monkeypatch: pytest.MonkeyPatch) -> None:
+    w = connect([a.address for a in shards], rank=0, world_size=1, job="one-wake", timeout=10, **SMALL)
+    try:
+        assert isinstance(w, ShardedWorker) and len(w.shards) > 1
+        w.allreduce(np.ones(64, np.float32))
+        loop = w._loop
+        wakes = 0
+        wake = loop.wake
+
+        def counting() -> None:
+            nonlocal wakes
+            wakes += 1
+            wake()
+
+        monkeypatch.setattr(loop, "wake", counting)
+        y = w.allreduce(np.ones(64, np.float32))
+        np.testing.assert_array_equal(y, np.ones(64, np.float32))
+        assert wakes == 1
+    finally:
+        monkeypatch.undo()
+        w.close()

@@ -174,7 +174,7 @@ class Connection:
                 raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed") from self._dead
             request.op = next(self._op_counter)
             self._loop.put(self, request)
-        self._loop.wake()
+        self._loop.notify()
         return request.op
 
     def close(self) -> None:

@@ -20,11 +20,12 @@ cause, and every later submission is refused.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -86,6 +87,8 @@ class CommLoop:
         self._wake_send = self._ctx.socket(zmq.PAIR)
         self._wake_send.connect(wake)
         self._wake_lock = threading.Lock()
+        # Per calling thread: inside held_wakes (depth), and whether a wake-up is owed.
+        self._held = threading.local()
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         # Guards _channels, _stopping and _dead: no connection attaches to a dead or stopped loop.
         self._lock = threading.Lock()
@@ -136,6 +139,33 @@ class CommLoop:
     def put(self, conn: Connection, what: OpRequest | None) -> None:
         """Queues an op request of ``conn`` (or, with None, its close); the caller holds ``conn``'s lock."""
         self._queue.put((conn, what))
+
+    @contextlib.contextmanager
+    def held_wakes(self) -> Iterator[None]:
+        """Within this block, :meth:`notify` by this thread wakes the loop once, at the block's end.
+
+        A sharded op queues one request per shard: woken by the first, the thread
+        would start on it while the caller still queues the others, and the two
+        would trade the GIL (a context switch each time) for the rest of the op.
+        """
+        held = self._held
+        depth = getattr(held, "depth", 0)
+        held.depth = depth + 1
+        try:
+            yield
+        finally:
+            held.depth = depth
+            if depth == 0 and getattr(held, "pending", False):
+                held.pending = False
+                self.wake()
+
+    def notify(self) -> None:
+        """Wakes the thread for what was just queued: now, or at the end of :meth:`held_wakes`."""
+        held = self._held
+        if getattr(held, "depth", 0):
+            held.pending = True
+        else:
+            self.wake()
 
     def wake(self) -> None:
         with self._wake_lock:

@@ -38,10 +38,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OpRequest", "WorkerOp", "lazy_zeros", "pages_written", "check_destination"]
+__all__ = ["LAZY_ZEROS_BYTES", "OpRequest", "WorkerOp", "lazy_zeros", "pages_written", "check_destination"]
 
-# From this size on, a sparse result is allocated as an anonymous mapping (see lazy_zeros).
-_LAZY_ZEROS_BYTES = 1 << 22
+#: From this size on, a sparse result is allocated as an anonymous mapping (see lazy_zeros).
+LAZY_ZEROS_BYTES = 1 << 22
 # Above this expected fraction of 4 KiB pages written, huge pages are cheaper: a fault
 # costs about 3x more per 4 KiB page than zeroing it within a 2 MiB page (measured here).
 _LAZY_PAGE_FRACTION = 0.3
@@ -63,7 +63,7 @@ def lazy_zeros(length: int, dtype: np.dtype, written: float = 0.0) -> np.ndarray
     """
     dtype = np.dtype(dtype)
     nbytes = length * dtype.itemsize
-    if nbytes < _LAZY_ZEROS_BYTES or written >= _LAZY_PAGE_FRACTION:
+    if nbytes < LAZY_ZEROS_BYTES or written >= _LAZY_PAGE_FRACTION:
         return np.zeros(length, dtype=dtype)
     # The array keeps the mapping alive; it is unmapped when the array goes.
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype)

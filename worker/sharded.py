@@ -54,7 +54,7 @@ from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClose
 from worker.client import Worker
 from worker.cuda import is_cuda_tensor
 from worker.loop import CommLoop
-from worker.op import check_destination, lazy_zeros, pages_written
+from worker.op import LAZY_ZEROS_BYTES, check_destination, lazy_zeros, pages_written
 from worker.rows import RowPieces, ShardChunk, SparseRows, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
 from worker.stats import OpStats, Stats, merge_parallel
@@ -275,37 +275,40 @@ class ShardedWorker(SettingsView):
         else:
             chunks, chunk_kwargs, finish = self._split_host(x, inplace, out, parts)
         fut: Future = Future()
-        with self._submit_lock:
-            if self._closed or self._broken is not None:
-                raise WorkerClosedError(
-                    f"sharded worker rank {self.rank} of job {self.job!r} is closed"
-                    + ("" if self._broken is None else f" (a shard failed to take an op: {self._broken})")
-                ) from self._broken
-            nshards = len(self.shards)
-            targets = [(self._turn + i) % nshards for i in range(parts)]
-            gather = _Gather(self, fut, self._ops, targets, finish)
-            shard_futures = []
-            for i, (k, chunk) in enumerate(zip(targets, chunks, strict=True)):
-                try:
-                    shard_futures.append(self.shards[k].allreduce_async(chunk, **chunk_kwargs[i], **kwargs))
-                except BaseException as e:
-                    if i == 0:
-                        # Nothing was submitted: a Worker takes no op number before its
-                        # checks pass, so the shards' op numbers still agree.
-                        raise
-                    # Shards 0..k-1 took the op and shard k did not: their op numbers no
-                    # longer agree, so no later op can be right.
-                    self._broken = e
-                    logger.error("sharded worker rank %d of job %r: shard %d (%s) refused an op: %s",
-                                 self.rank, self.job, k, self.addresses[k], e)
-                    err = self._shard_error(k, e)
-                    raise err from e
-            self._turn = (targets[-1] + 1) % nshards
-            self._ops += 1
-            if key is not None:
-                self._last_of[key] = gather
-        for i, f in enumerate(shard_futures):
-            f.add_done_callback(lambda f, i=i: gather.on_done(i, f))
+        # The thread is woken once every shard's request is queued and every callback set:
+        # woken earlier, it would contend with this caller for the GIL.
+        with self._loop.held_wakes():
+            with self._submit_lock:
+                if self._closed or self._broken is not None:
+                    raise WorkerClosedError(
+                        f"sharded worker rank {self.rank} of job {self.job!r} is closed"
+                        + ("" if self._broken is None else f" (a shard failed to take an op: {self._broken})")
+                    ) from self._broken
+                nshards = len(self.shards)
+                targets = [(self._turn + i) % nshards for i in range(parts)]
+                gather = _Gather(self, fut, self._ops, targets, finish)
+                shard_futures = []
+                for i, (k, chunk) in enumerate(zip(targets, chunks, strict=True)):
+                    try:
+                        shard_futures.append(self.shards[k].allreduce_async(chunk, **chunk_kwargs[i], **kwargs))
+                    except BaseException as e:
+                        if i == 0:
+                            # Nothing was submitted: a Worker takes no op number before its
+                            # checks pass, so the shards' op numbers still agree.
+                            raise
+                        # Shards 0..k-1 took the op and shard k did not: their op numbers no
+                        # longer agree, so no later op can be right.
+                        self._broken = e
+                        logger.error("sharded worker rank %d of job %r: shard %d (%s) refused an op: %s",
+                                     self.rank, self.job, k, self.addresses[k], e)
+                        err = self._shard_error(k, e)
+                        raise err from e
+                self._turn = (targets[-1] + 1) % nshards
+                self._ops += 1
+                if key is not None:
+                    self._last_of[key] = gather
+            for i, f in enumerate(shard_futures):
+                f.add_done_callback(lambda f, i=i: gather.on_done(i, f))
         return fut
 
     def allreduce(self, x: Any, **options: Any) -> Any:
@@ -403,7 +406,12 @@ class ShardedWorker(SettingsView):
             if not shares_memory(x, wire):
                 raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
             return chunks, [{"inplace": True} for _ in chunks], lambda _results: x
-        full = out if out is not None else lazy_zeros(n, storage, self._written(wire, dtype.itemsize))
+        if out is not None:
+            full = out
+        else:
+            # Below LAZY_ZEROS_BYTES lazy_zeros allocates plain zeros whatever the estimate.
+            small = n * storage.itemsize < LAZY_ZEROS_BYTES
+            full = lazy_zeros(n, storage, 1.0 if small else self._written(wire, dtype.itemsize))
         return (
             chunks,
             [{"out": full[lo:hi]} for lo, hi in bounds],

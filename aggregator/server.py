@@ -245,6 +245,7 @@ class Aggregator:
                 if e.errno == zmq.EHOSTUNREACH:
                     # The routing id is gone: so is its connection.
                     if peer not in gone:
+                        self._log(logging.INFO, "connection %s is gone (no route on send)", peer.hex())
                         gone.append(peer)
                 else:
                     # A peer that stopped reading (EAGAIN): its heartbeats or the op's
@@ -276,6 +277,8 @@ class Aggregator:
         conn = (fd, self._accepts.get(fd, 0))
         old = self._conn_peer.get(conn)
         if old is not None and old != peer:
+            self._log(logging.INFO, "connection %s (fd %d, accept %d) now carries %s: the old one is gone",
+                      old.hex(), conn[0], conn[1], peer.hex())
             self._lost(old, "disconnected")
         self._conn_peer[conn] = peer
         self._peer_conn[peer] = conn
@@ -287,6 +290,7 @@ class Aggregator:
             elif kind == zmq.EVENT_DISCONNECTED:
                 peer = self._conn_peer.pop((value, self._accepts.get(value, 0)), None)
                 if peer is not None:
+                    self._log(logging.INFO, "connection %s (fd %d) closed", peer.hex(), value)
                     self._peer_conn.pop(peer, None)
                     why = "disconnected"
                     if self.heartbeat_timeout is not None:

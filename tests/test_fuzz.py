@@ -365,4 +365,9 @@ def test_flood_stays_under_the_caps_and_times_out_cleanly(small_daemon: Daemon) 
     while small_daemon.metric("active_ops") or small_daemon.metric("held_bytes"):
         assert time.monotonic() < deadline, "ops of the flood were not freed"
         time.sleep(0.1)
-    _legit_job(small_daemon.address, "after-flood")
+    try:
+        _legit_job(small_daemon.address, "after-flood")
+    except Exception as e:
+        # Seen once in CI (a live rank declared lost): the daemon's own account is the evidence.
+        raise AssertionError(f"the job after the flood failed: {e!r}; the daemon's log ends:\n"
+                             + "".join(small_daemon.log[-60:])) from e

@@ -290,7 +290,7 @@ class Aggregator:
             elif kind == zmq.EVENT_DISCONNECTED:
                 peer = self._conn_peer.pop((value, self._accepts.get(value, 0)), None)
                 if peer is not None:
-                    self._log(logging.INFO, "connection %s (fd %d) closed", peer.hex(), value)
+                    logger.debug("connection %s (fd %d) closed", peer.hex(), value)
                     self._peer_conn.pop(peer, None)
                     why = "disconnected"
                     if self.heartbeat_timeout is not None:
@@ -362,11 +362,6 @@ class Aggregator:
         """Handles what arrived: ``events`` is the poll's result for :meth:`serve_sockets`."""
         if self._mon in events:
             self._read_monitor()
-        elif self._sock not in events and not self._departed:
-            # Nothing came and no departure waits for the socket to be read empty: a
-            # co-located worker's loop calls this on every pass, most for its own sockets.
-            self._send_all(self.engine.expire())
-            return
         counters = self.counters
         # Read even without POLLIN: a message may have come after the poll, before
         # the monitor told of its connection's end.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aggregator import Aggregator
-from omnireduce import WorkerClosedError
+from omnireduce import ConfigError, WorkerClosedError
 from tests.helpers import run_ranks
 from tests.test_sharding import _reduce_all
 from worker import ShardedWorker, Worker, connect
@@ -73,7 +73,8 @@ def test_loop_death_fails_every_shard_and_later_ops(shards: list[Aggregator],
         fut = w.allreduce_async(np.ones(100, np.float32))
         with pytest.raises(WorkerClosedError, match="communication thread died"):
             fut.result(timeout=10)
-        with pytest.raises(WorkerClosedError):
+        # A later submission says why the worker is closed.
+        with pytest.raises(WorkerClosedError, match="thread died: RuntimeError\\('injected bug'\\)"):
             w.allreduce_async(np.ones(100, np.float32))
     finally:
         t0 = time.monotonic()
@@ -136,6 +137,18 @@ def test_held_wakes_wake_the_loop_once_at_the_end(monkeypatch: pytest.MonkeyPatc
             loop.notify()
             raise ValueError
         assert len(woken) == 4  # what was queued before the error is still served
+        loop.notify()
+        assert len(woken) == 5  # the error left no block open on this thread
+        # Blocks ended out of order (an ExitStack, coroutines) still end holding.
+        outer, inner = loop.held_wakes(), loop.held_wakes()
+        outer.__enter__()
+        inner.__enter__()
+        loop.notify()
+        outer.__exit__(None, None, None)
+        inner.__exit__(None, None, None)
+        assert len(woken) == 6
+        loop.notify()
+        assert len(woken) == 7
     finally:
         monkeypatch.undo()
         loop.close()
@@ -156,6 +169,10 @@ def test_a_sharded_op_wakes_its_loop_once(shards: list[Aggregator], monkeypatch:
             wake()
 
         monkeypatch.setattr(loop, "wake", counting)
+        # An op refused inside the held block leaves nothing held for the next one.
+        with pytest.raises(ConfigError):
+            w.allreduce_async(np.ones(64, np.float32), weight=-1.0)
+        assert wakes == 0
         y = w.allreduce(np.ones(64, np.float32))
         np.testing.assert_array_equal(y, np.ones(64, np.float32))
         assert wakes == 1

@@ -171,7 +171,8 @@ class Connection:
         """
         with self._lock:
             if self._closed or self._dead is not None:
-                raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed") from self._dead
+                why = "" if self._dead is None else f" (its communication thread died: {self._dead!r})"
+                raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed{why}") from self._dead
             request.op = next(self._op_counter)
             self._loop.put(self, request)
         self._loop.notify()

@@ -142,20 +142,22 @@ class CommLoop:
 
     @contextlib.contextmanager
     def held_wakes(self) -> Iterator[None]:
-        """Within this block, :meth:`notify` by this thread wakes the loop once, at the block's end.
+        """Within this block, :meth:`notify` by this thread wakes the loop once, at the end of
+        the outermost such block of this thread.
 
         A sharded op queues one request per shard: woken by the first, the thread
         would start on it while the caller still queues the others, and the two
         would trade the GIL (a context switch each time) for the rest of the op.
+        Do not wait inside the block for anything the loop must do first: what was
+        queued in it is not served before the block ends.
         """
         held = self._held
-        depth = getattr(held, "depth", 0)
-        held.depth = depth + 1
+        held.depth = getattr(held, "depth", 0) + 1
         try:
             yield
         finally:
-            held.depth = depth
-            if depth == 0 and getattr(held, "pending", False):
+            held.depth -= 1
+            if held.depth == 0 and getattr(held, "pending", False):
                 held.pending = False
                 self.wake()
 

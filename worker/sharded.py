@@ -38,6 +38,7 @@ shards it goes to).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -276,8 +277,11 @@ class ShardedWorker(SettingsView):
             chunks, chunk_kwargs, finish = self._split_host(x, inplace, out, parts)
         fut: Future = Future()
         # The thread is woken once every shard's request is queued and every callback set:
-        # woken earlier, it would contend with this caller for the GIL.
-        with self._loop.held_wakes():
+        # woken earlier, it would contend with this caller for the GIL. Not for a device
+        # tensor, whose shards' parts are prepared on the device one by one: the first
+        # may go out while the caller waits on the device for the next.
+        hold = contextlib.nullcontext() if is_cuda_tensor(x) else self._loop.held_wakes()
+        with hold:
             with self._submit_lock:
                 if self._closed or self._broken is not None:
                     raise WorkerClosedError(

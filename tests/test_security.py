@@ -138,6 +138,24 @@ def test_curve_refuses_wrong_or_missing_keys(curve_agg: Aggregator, keys: dict[s
     assert curve_agg.counters.errors.get("handshake", 0) >= 1
 
 
+def test_a_handshake_broken_off_once_is_retried_not_refused() -> None:
+    """A peer that closes during the handshake (an aggregator shutting down or restarting)
+    looks like one that could not read a wrong key; it is retried, and the op waits for it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    with Worker(address, rank=0, world_size=1, job="broken-off", timeout=30) as w:
+        fut = w.allreduce_async(np.ones(8, np.float32))  # waits for a connection
+        listener.settimeout(10)
+        conn, _ = listener.accept()
+        conn.close()  # the first handshake breaks off
+        listener.close()
+        agg = Aggregator(listen=address).start()
+        try:
+            np.testing.assert_array_equal(fut.result(timeout=20), np.ones(8, np.float32))
+        finally:
+            agg.close()
+
+
 class Relay:
     """A TCP relay on loopback that records every byte it forwards (a wire tap)."""
 

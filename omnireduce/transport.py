@@ -53,6 +53,8 @@ class HandshakeFailure(NamedTuple):
     listener: str
     #: The connecting end's words, with what to check (the worker's error).
     connector: str
+    #: Failures in a row before the connecting end counts the connection as refused.
+    strikes: int = 1
 
 
 #: Monitor events of a refused handshake (wrong CURVE key, CURVE at one end only, ...).
@@ -62,8 +64,11 @@ HANDSHAKE_FAILURES: dict[int, HandshakeFailure] = {
         "protocol or security mechanism mismatch",
         "protocol or security mechanism mismatch: is CURVE on at one end only?",
     ),
+    # A peer that closes during the handshake (an aggregator shutting down, a co-located
+    # rank leaving) reports just like one that cannot read the worker's CURVE HELLO (a
+    # wrong server key), errno and all; only the wrong key fails again on the retry.
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: HandshakeFailure(
-        "handshake failed", "handshake failed: is the aggregator's public key right?"
+        "handshake failed", "handshake failed: is the aggregator's public key right?", strikes=2
     ),
 }
 # Events both ends watch: a connection's end, and refused handshakes.

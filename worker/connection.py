@@ -73,8 +73,6 @@ _ERRORS: dict[int, type[OpError]] = {
 }
 # Errors answering HELLO: this connection may not take part in the job at all.
 _REFUSALS = frozenset({ErrorCode.AUTH, ErrorCode.LIMIT, ErrorCode.MISMATCH, ErrorCode.STALE})
-# Handshakes that fail without detail in a row before the connection counts as refused (see _on_monitor).
-_NO_DETAIL_STRIKES = 2
 # How long closing waits for BYE to leave, so the aggregator does not count the rank as lost.
 _BYE_LINGER_MS = 500
 
@@ -311,15 +309,12 @@ class Connection:
             elif kind in transport.HANDSHAKE_FAILURES:
                 self._connected = False
                 self._handshake_failures += 1
-                if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and self._handshake_failures < _NO_DETAIL_STRIKES:
-                    # A peer that closes during the handshake (an aggregator shutting down, a
-                    # co-located rank leaving) reports just like one that cannot read our CURVE
-                    # HELLO (a wrong server key); only the wrong key fails again on the retry.
+                failure = transport.HANDSHAKE_FAILURES[kind]
+                if self._handshake_failures < failure.strikes:
                     logger.info("worker rank %d of job %r: handshake with %s broke off; retrying", self.rank,
                                 self.job, self.address)
                     continue
-                failure = transport.HANDSHAKE_FAILURES[kind].connector
-                why = f"the aggregator at {self.address} refused the connection: {failure}"
+                why = f"the aggregator at {self.address} refused the connection: {failure.connector}"
                 if self._refused is None:
                     logger.error("worker rank %d of job %r: %s", self.rank, self.job, why)
                 # New ops fail at once too, until a handshake succeeds (ZeroMQ may not retry).

@@ -267,10 +267,12 @@ class ShardedWorker(SettingsView):
             WorkerClosedError: the worker is closed, or a shard refused an earlier op.
         """
         parts, key = self._parts_for(x, kwargs)
+        device = False
         if is_rows(x):
             chunks, finish = self._split_rows(x, inplace, out, parts)
             chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
         elif is_cuda_tensor(x):
+            device = True
             chunks, finish = self._split_cuda(x, inplace, out, parts)
             chunk_kwargs = [{} for _ in chunks]
         else:
@@ -280,40 +282,46 @@ class ShardedWorker(SettingsView):
         # woken earlier, it would contend with this caller for the GIL. Not for a device
         # tensor, whose shards' parts are prepared on the device one by one: the first
         # may go out while the caller waits on the device for the next.
-        hold = contextlib.nullcontext() if is_cuda_tensor(x) else self._loop.held_wakes()
-        with hold:
-            with self._submit_lock:
-                if self._closed or self._broken is not None:
-                    raise WorkerClosedError(
-                        f"sharded worker rank {self.rank} of job {self.job!r} is closed"
-                        + ("" if self._broken is None else f" (a shard failed to take an op: {self._broken})")
-                    ) from self._broken
-                nshards = len(self.shards)
-                targets = [(self._turn + i) % nshards for i in range(parts)]
-                gather = _Gather(self, fut, self._ops, targets, finish)
-                shard_futures = []
-                for i, (k, chunk) in enumerate(zip(targets, chunks, strict=True)):
-                    try:
-                        shard_futures.append(self.shards[k].allreduce_async(chunk, **chunk_kwargs[i], **kwargs))
-                    except BaseException as e:
-                        if i == 0:
-                            # Nothing was submitted: a Worker takes no op number before its
-                            # checks pass, so the shards' op numbers still agree.
-                            raise
-                        # Shards 0..k-1 took the op and shard k did not: their op numbers no
-                        # longer agree, so no later op can be right.
-                        self._broken = e
-                        logger.error("sharded worker rank %d of job %r: shard %d (%s) refused an op: %s",
-                                     self.rank, self.job, k, self.addresses[k], e)
-                        err = self._shard_error(k, e)
-                        raise err from e
-                self._turn = (targets[-1] + 1) % nshards
-                self._ops += 1
-                if key is not None:
-                    self._last_of[key] = gather
+        with contextlib.nullcontext() if device else self._loop.held_wakes():
+            gather, shard_futures = self._submit(fut, parts, chunks, chunk_kwargs, kwargs, finish, key)
             for i, f in enumerate(shard_futures):
                 f.add_done_callback(lambda f, i=i: gather.on_done(i, f))
         return fut
+
+    def _submit(self, fut: Future, parts: int, chunks: list[Any], chunk_kwargs: list[dict[str, Any]],
+                kwargs: dict[str, Any], finish: Any, key: Hashable | None) -> tuple[_Gather, list[Future]]:
+        """Hands every part of one op to its shard, all under one op number; returns the op's
+        gather and the shards' futures."""
+        with self._submit_lock:
+            if self._closed or self._broken is not None:
+                raise WorkerClosedError(
+                    f"sharded worker rank {self.rank} of job {self.job!r} is closed"
+                    + ("" if self._broken is None else f" (a shard failed to take an op: {self._broken})")
+                ) from self._broken
+            nshards = len(self.shards)
+            targets = [(self._turn + i) % nshards for i in range(parts)]
+            gather = _Gather(self, fut, self._ops, targets, finish)
+            shard_futures = []
+            for i, (k, chunk) in enumerate(zip(targets, chunks, strict=True)):
+                try:
+                    shard_futures.append(self.shards[k].allreduce_async(chunk, **chunk_kwargs[i], **kwargs))
+                except BaseException as e:
+                    if i == 0:
+                        # Nothing was submitted: a Worker takes no op number before its
+                        # checks pass, so the shards' op numbers still agree.
+                        raise
+                    # Shards 0..k-1 took the op and shard k did not: their op numbers no
+                    # longer agree, so no later op can be right.
+                    self._broken = e
+                    logger.error("sharded worker rank %d of job %r: shard %d (%s) refused an op: %s",
+                                 self.rank, self.job, k, self.addresses[k], e)
+                    err = self._shard_error(k, e)
+                    raise err from e
+            self._turn = (targets[-1] + 1) % nshards
+            self._ops += 1
+            if key is not None:
+                self._last_of[key] = gather
+        return gather, shard_futures
 
     def allreduce(self, x: Any, **options: Any) -> Any:
         """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
@@ -410,12 +418,7 @@ class ShardedWorker(SettingsView):
             if not shares_memory(x, wire):
                 raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
             return chunks, [{"inplace": True} for _ in chunks], lambda _results: x
-        if out is not None:
-            full = out
-        else:
-            # Below LAZY_ZEROS_BYTES lazy_zeros allocates plain zeros whatever the estimate.
-            small = n * storage.itemsize < LAZY_ZEROS_BYTES
-            full = lazy_zeros(n, storage, 1.0 if small else self._written(wire, dtype.itemsize))
+        full = out if out is not None else lazy_zeros(n, storage, self._written(wire, dtype.itemsize))
         return (
             chunks,
             [{"out": full[lo:hi]} for lo, hi in bounds],
@@ -471,8 +474,8 @@ class ShardedWorker(SettingsView):
         threads; a sample of blocks is enough to choose how the result is allocated.
         """
         nb = len(wire) // self.block_size
-        if nb == 0:
-            return 1.0
+        if nb == 0 or wire.nbytes < LAZY_ZEROS_BYTES:
+            return 1.0  # below LAZY_ZEROS_BYTES lazy_zeros allocates plain zeros whatever the estimate
         rows = wire[: nb * self.block_size].reshape(nb, self.block_size)
         picks = np.linspace(0, nb - 1, min(nb, _SAMPLE_BLOCKS)).astype(np.intp)
         own = float(np.count_nonzero(rows[picks].any(axis=1))) / len(picks)

@@ -288,6 +288,10 @@ def add_args(p: Any) -> None:
     p.add_argument("--repeats", type=int, default=10, help="timed repetitions per case (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per case before timing")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="0: every rank's nonzero blocks placed uniformly at random (OmniReduce's benchmark); "
+                        "above 0: drawn with this Zipf exponent from a popularity order all ranks share, as an "
+                        "embedding's rows (hot rows on every rank, the union below the sum)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--op-timeout", type=float, default=300.0, help="seconds any one operation may take")
     p.add_argument("--time-limit", type=float, default=3600.0,
@@ -358,6 +362,8 @@ def run(
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.shards < 1:
         raise SystemExit("--shards must be >= 1")
+    if not 0 <= args.skew < 10:
+        raise SystemExit("--skew must be within [0, 10)")
     if args.warmup < 0 or any(w < 1 for w in args.workers) or any(not 0 <= d <= 1 for d in args.densities):
         raise SystemExit("--warmup must be >= 0, --workers >= 1 and --densities within [0, 1]")
     rows: list[dict[str, Any]] = []
@@ -385,7 +391,7 @@ def run(
                 message_blocks=args.message_blocks, streams=args.streams, seed=args.seed,
                 op_timeout=args.op_timeout, torch_threads=args.torch_threads, check=not args.no_check,
                 sparse_io=args.sparse_io, pattern_block=args.pattern_block, interleave=args.interleave,
-                new_output=args.new_output,
+                new_output=args.new_output, skew=args.skew,
             )
             run_world(spec, placement_for(w), os.path.join(out_dir, "logs"), deadline, on_event)
     except (BenchError, KeyboardInterrupt) as e:

@@ -45,7 +45,7 @@ class _Case:
         self.torch = torch
         b = spec.pattern_block
         rng = np.random.default_rng([spec.seed, rank, n, round(density * 1e6)])
-        self.x = make_tensor(n, density, b, rng)
+        self.x = make_tensor(n, density, b, rng, skew=spec.skew, order_seed=spec.seed)
         self.n = n
         self.density = density
         # make_tensor's base array is padded to whole blocks: gloo's sparse path uses it as
@@ -255,7 +255,7 @@ def _report(
     if rank == 0:
         event: dict[str, Any] = {
             "type": "result", "workers": spec.world_size, "elements": case.n,
-            "density": case.density, "system": system,
+            "density": case.density, "system": system, "skew": spec.skew,
             "times": t.tolist(), "ok": bool(flag.item()) if ref is not None else None,
             # Aggregator shards the omnireduce ops were split over: one per rank co-located,
             # else the dedicated ones (a comma-separated address).
@@ -264,7 +264,8 @@ def _report(
         }
         if worker is not None and worker.stats.last is not None:
             last = worker.stats.last
-            event.update(sent_fraction=last.sent_fraction, rounds=last.rounds, messages_sent=last.messages_sent)
+            event.update(sent_fraction=last.sent_fraction, rounds=last.rounds, messages_sent=last.messages_sent,
+                         union_fraction=last.union_density if last.path == "sparse" else None)
         emit(event)
 
 

@@ -22,6 +22,7 @@ from bench.common import (
     make_tensor,
     parse_size,
     row_from_event,
+    skewed_blocks,
     worker_mode,
     write_outputs,
 )
@@ -71,6 +72,31 @@ def test_make_tensor_places_exact_blocks() -> None:
     assert (vals != 0).all() and (vals == np.round(vals)).all() and np.abs(vals).max() <= 100
     assert (make_tensor(1000, 1.0, 256, rng) != 0).all()
     assert not make_tensor(1000, 0.0, 256, rng).any()
+
+
+def test_skewed_blocks_share_hot_blocks_across_ranks() -> None:
+    nb, k, ranks = 102_400, 1024, 4
+
+    def union(skew: float, order_seed: int = 7) -> int:
+        draws = []
+        for r in range(ranks):
+            rng = np.random.default_rng([3, r])
+            draws.append(skewed_blocks(nb, k, skew, rng, order_seed) if skew else rng.choice(nb, k, replace=False))
+        for d in draws:  # k distinct blocks each
+            assert len(np.unique(d)) == k and d.min() >= 0 and d.max() < nb
+        return len(np.unique(np.concatenate(draws)))
+
+    # Uniform placement: the ranks hardly overlap. Zipf 1.1 over a shared popularity order: a
+    # quarter of the sum is shared (0.75 expected; a rank's own draw still varies).
+    assert union(0.0) > 0.97 * ranks * k
+    assert 0.65 * ranks * k < union(1.1) < 0.85 * ranks * k
+    # The popularity order is the seed's: other ranks with another seed would share nothing special.
+    a = skewed_blocks(nb, k, 1.1, np.random.default_rng(0), 1)
+    b = skewed_blocks(nb, k, 1.1, np.random.default_rng(1), 2)
+    assert len(np.intersect1d(a, b)) < 0.1 * k
+    # Through make_tensor: exactly round(density * blocks) nonzero blocks, as without skew.
+    x = make_tensor(nb * 16, 0.01, 16, np.random.default_rng(5), skew=1.1, order_seed=7)
+    assert (x.reshape(nb, 16) != 0).any(1).sum() == k
 
 
 def test_parse_size() -> None:
@@ -162,7 +188,7 @@ def test_system_kinds() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("flags", [["--interleave"], ["--sparse-io", "--transport", "ipc"]],
+@pytest.mark.parametrize("flags", [["--interleave", "--skew", "1.1"], ["--sparse-io", "--transport", "ipc"]],
                          ids=["coo", "sparse-io-ipc"])
 def test_allreduce_benchmark_rows(tmp_path, flags: list[str]) -> None:
     # gloo's sparse all_reduce and omnireduce's of the same prebuilt COO tensor (sparse in,
@@ -179,6 +205,10 @@ def test_allreduce_benchmark_rows(tmp_path, flags: list[str]) -> None:
     sent = {(r["system"], r["density"]): r["sent_fraction"] for r in rows if r["system"] != "gloo-sparse"}
     # Rows in: only the nonzero rows go out (20,000 elements: 79 rows, 4 of them at 5%).
     assert sent[("omnireduce-rows", 0.05)] < 0.2 and sent[("omnireduce-rows-colocated", 0.05)] < 0.2
+    assert all(r["skew"] == (1.1 if "--skew" in flags else 0.0) for r in rows)
+    # The union every rank received, at least what one rank sent.
+    union = {r["system"]: r["union_fraction"] for r in rows if r["density"] == 0.05 and r["system"] != "gloo-sparse"}
+    assert all(sent[(s, 0.05)] <= u <= 0.2 for s, u in union.items()), (union, sent)
     shards = {r["system"]: r["shards"] for r in rows}
     assert shards["omnireduce-rows"] == 1 and shards["omnireduce-rows-colocated"] == 2
 

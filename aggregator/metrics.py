@@ -9,7 +9,7 @@ several can run in one process (as in the tests).
 Metrics (all prefixed ``omnireduce_aggregator_``): ``ops_started_total``,
 ``ops_completed_total``, ``ops_failed_total``, ``messages_in_total``,
 ``bytes_in_total``, ``bytes_out_total``, ``blocks_in_total``, ``blocks_out_total``,
-``rounds_total``, ``peers_lost_total``, ``send_failures_total``,
+``rounds_total``, ``peers_lost_total``, ``send_failures_total``, ``late_dropped_total``,
 ``errors_total{kind=...}`` (failed ops and refused messages by error code, and
 ``handshake`` for refused connections), ``op_latency_seconds`` (histogram, from an
 op's first message to its last result), and the gauges ``active_jobs``,
@@ -49,6 +49,7 @@ _COUNTERS = (
     ("ops_failed", "Ops failed (any reason)."),
     ("peers_lost", "Connections bound to a job that closed or stopped answering heartbeats."),
     ("send_failures", "Messages that could not be sent (peer gone or not reading)."),
+    ("late_dropped", "Messages of connections already declared gone, read late and dropped."),
 )
 
 

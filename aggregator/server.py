@@ -5,15 +5,9 @@ socket's monitor reports every closed connection (a killed process closes its
 TCP connection at once; ZeroMQ heartbeats close the connection of a paused or
 unreachable one), and the engine then fails the ops that needed it. The monitor
 names connections by file descriptor, so the loop remembers which connection
-(descriptor, and how many times that descriptor was accepted) each routing id
-arrived on.
-
-A closed connection's last messages can still be read after the monitor told of
-its end, and by then a new connection may hold its descriptor. So a routing id
-known to be closed is never tracked again (its messages are read, until it is
-declared gone, and dropped after), and where a message of an id never tracked
-claims a descriptor that a tracked id holds, the id that ZeroMQ issued later is the
-descriptor's newer connection, the live one (ids that ZeroMQ generates count up).
+each routing id arrived on (:mod:`aggregator.connections`, which also keeps a closed
+connection's late messages from being taken for those of the next connection on
+its descriptor).
 """
 
 from __future__ import annotations
@@ -23,12 +17,12 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from aggregator.connections import Connections, seed_generated_ids
 from aggregator.engine import Engine, Outgoing
 from aggregator.limits import Limits, RateLimitedLog
 from omnireduce import config, memory, transport
@@ -47,9 +41,6 @@ _POLL_MS = 50
 _DEPARTURE_GRACE_S = 1.0
 # Messages handled before the loop looks at timeouts, the monitor and the stop flag again.
 _BATCH = 256
-# Routing ids of closed connections remembered, so that their late messages are dropped
-# (one per connection; a late message comes within a loop pass or so of the end).
-_GONE_KEPT = 16384
 # Far above what the protocol keeps in flight (streams x ops per worker), so a
 # full queue means a peer that stopped reading, which ROUTER_MANDATORY reports.
 _SNDHWM = 100_000
@@ -58,19 +49,6 @@ _SNDHWM = 100_000
 def _bindable(listen: str) -> str:
     """ZeroMQ spells "any free port" as ``*``; accept the conventional port 0 too."""
     return re.sub(r"^(tcp://.+):0$", r"\1:*", listen)
-
-
-def _issued_before(a: bytes, b: bytes) -> bool:
-    """Whether ZeroMQ issued routing id ``a`` before ``b``, where it generated both.
-
-    A ROUTER names a connection that brings no id of its own with a zero byte and a
-    32-bit counter, big-endian, that counts up from a random start (libzmq's
-    ``router_t::identify_peer``); the comparison is modulo 2**32. Ids of another form
-    (a peer's own) are never taken for earlier.
-    """
-    if len(a) != 5 or len(b) != 5 or a[0] or b[0]:
-        return False
-    return 0 < (int.from_bytes(b[1:], "big") - int.from_bytes(a[1:], "big")) % (1 << 32) < (1 << 31)
 
 
 class Aggregator:
@@ -138,6 +116,7 @@ class Aggregator:
         self._auth: ThreadAuthenticator | None = None
         self._metrics: Any = None
         self._mon: zmq.Socket | None = None
+        seed_generated_ids()
         self._sock = transport.new_socket(self._ctx, zmq.ROUTER)
         #: Every endpoint bound, as resolved (port 0 replaced by the port chosen).
         self.addresses: list[str] = []
@@ -160,13 +139,9 @@ class Aggregator:
         self._closed = False
         self._serving = False
         # Connection bookkeeping for the monitor (see the module docstring).
-        self._accepts: dict[int, int] = {}
-        self._conn_peer: dict[tuple[int, int], bytes] = {}
-        self._peer_conn: dict[bytes, tuple[int, int] | None] = {}
+        self._conns = Connections()
+        # Departing ids (see Connections), with when and why, until declared gone.
         self._departed: list[tuple[float, bytes, str]] = []
-        # Closed, its last messages still read; then gone, its messages dropped.
-        self._departing: set[bytes] = set()
-        self._gone: OrderedDict[bytes, None] = OrderedDict()
         self._log = RateLimitedLog(logger)
         self.metrics_address: str | None = None
         if metrics_port is not None:
@@ -270,8 +245,9 @@ class Aggregator:
                 self.counters.bytes_out -= nbytes
                 self.counters.send_failures += 1
                 if e.errno == zmq.EHOSTUNREACH:
-                    # The routing id is gone: so is its connection.
-                    if peer not in gone:
+                    # The routing id is gone: so is its connection. One whose end the
+                    # monitor told of is declared once its last messages (a BYE) are read.
+                    if peer not in gone and peer not in self._conns.departing:
                         self._log(logging.INFO, "connection %s is gone (no route on send)", peer.hex())
                         gone.append(peer)
                 else:
@@ -282,65 +258,38 @@ class Aggregator:
             self._lost(peer, "disconnected")
 
     def _lost(self, peer: bytes, reason: str) -> None:
-        conn = self._peer_conn.pop(peer, None)
-        if conn is not None:
-            self._conn_peer.pop(conn, None)
-        self._departing.discard(peer)
-        self._mark_gone(peer)
+        self._conns.forget(peer)
         self._send_all(self.engine.peer_gone(peer, reason))
 
-    def _mark_gone(self, peer: bytes) -> None:
-        self._gone[peer] = None
-        self._gone.move_to_end(peer)
-        if len(self._gone) > _GONE_KEPT:
-            self._gone.popitem(last=False)
-
     def _track(self, peer: bytes, frame: zmq.Frame) -> bool:
-        """Remembers the connection a new routing id arrived on.
-
-        Returns:
-            False where the message is a late one of a connection that closed before its
-            id was tracked (a newer connection holds its descriptor): drop it.
-        """
+        """Records the connection of a new routing id; False: drop its message (late)."""
         try:
             fd = frame.get(zmq.SRCFD)
         except (zmq.ZMQError, AttributeError, ValueError) as e:  # deprecated in libzmq; may vanish
-            self._peer_conn[peer] = None
-            if self._inproc:
-                # An inproc peer has no descriptor; it lives and dies with this process.
-                return True
-            self._log(logging.WARNING, "cannot tell connections apart (%s): dead workers are noticed on send only", e)
-            return True
+            # An inproc peer has no descriptor; it lives and dies with this process.
+            if not self._inproc:
+                self._log(logging.WARNING, "cannot tell connections apart (%s): dead workers are noticed on send only",
+                          e)
+            return self._conns.track(peer, None)[0]
         # Events up to the acceptance of this connection were emitted before its first
-        # message could arrive: read them all so the connection count below is its own.
+        # message could arrive: read them all so the connection count is its own.
         self._read_monitor()
-        conn = (fd, self._accepts.get(fd, 0))
-        old = self._conn_peer.get(conn)
-        if old is not None and old != peer:
-            if _issued_before(peer, old):
-                # Its connection closed before its first message was read, and the
-                # descriptor's count is now the newer connection's: old is alive.
-                self._log(logging.INFO, "a late message of closed connection %s (fd %d) dropped; %s holds the fd now",
-                          peer.hex(), fd, old.hex())
-                self._mark_gone(peer)
-                return False
-            self._log(logging.INFO, "connection %s (fd %d, accept %d) now carries %s: the old one is gone",
-                      old.hex(), conn[0], conn[1], peer.hex())
+        handle, stale = self._conns.track(peer, fd)
+        if not handle:
+            logger.debug("a late message of closed connection %s (fd %d) dropped", peer.hex(), fd)
+        for old in stale:
+            self._log(logging.INFO, "connection %s (fd %d) is gone: %s, issued later, came on its descriptor",
+                      old.hex(), fd, peer.hex())
             self._lost(old, "disconnected")
-        self._conn_peer[conn] = peer
-        self._peer_conn[peer] = conn
-        return True
+        return handle
 
     def _read_monitor(self) -> None:
         for kind, value in transport.monitor_events(self._mon):
             if kind == zmq.EVENT_ACCEPTED:
-                self._accepts[value] = self._accepts.get(value, 0) + 1
+                self._conns.accepted(value)
             elif kind == zmq.EVENT_DISCONNECTED:
-                peer = self._conn_peer.pop((value, self._accepts.get(value, 0)), None)
-                if peer is not None:
+                for peer in self._conns.disconnected(value):
                     logger.debug("connection %s (fd %d) closed", peer.hex(), value)
-                    self._peer_conn.pop(peer, None)
-                    self._departing.add(peer)
                     why = "disconnected"
                     if self.heartbeat_timeout is not None:
                         why += f" (connection closed, or no heartbeat for {self.heartbeat_timeout:g} s)"
@@ -366,10 +315,8 @@ class Aggregator:
             return
         self._departed = [d for d in self._departed if d not in ready]
         for _, peer, why in ready:
-            if peer in self._departing:  # else a failed send declared it already
-                self._departing.discard(peer)
-                self._mark_gone(peer)
-                self._send_all(self.engine.peer_gone(peer, why))
+            if peer in self._conns.departing:  # else it was declared already
+                self._lost(peer, why)
 
     def _claim(self) -> None:
         """Marks the aggregator served: by one thread or loop only, and never once closed."""
@@ -425,16 +372,18 @@ class Aggregator:
                 drained = True
                 break
             peer = frames[0].bytes
-            if peer in self._gone:
-                logger.debug("dropped a late message of closed connection %s", peer.hex())
-                continue
-            closed = peer in self._departing
-            if not closed and peer not in self._peer_conn and not self._track(peer, frames[0]):
+            conns = self._conns
+            closed = peer in conns.departing
+            if conns.is_gone(peer) or (not closed and peer not in conns.conn_of and not self._track(peer, frames[0])):
+                # A late message of a connection declared gone: the engine forgot its peer.
+                counters.messages_in += 1
+                counters.bytes_in += transport.frames_nbytes(frames) - len(peer)
+                counters.late_dropped += 1
                 continue
             counters.bytes_in += transport.frames_nbytes(frames) - len(peer)
             # A peer with a socket descriptor sent a copy (TCP, IPC); an inproc
             # peer (a co-located worker) handed over its own memory.
-            owned = closed or self._peer_conn.get(peer) is not None
+            owned = closed or conns.conn_of.get(peer) is not None
             self._send_all(self.engine.handle(peer, frames[1:], owned=owned))
         self._declare_departures(drained)
         self._send_all(self.engine.expire())

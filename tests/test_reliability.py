@@ -392,3 +392,58 @@ def test_late_messages_of_a_closed_connection_do_not_evict_the_live_one_on_its_d
         clients.wait(10)
         agg.serve_end()
         agg.close()
+
+
+def test_a_reply_that_cannot_reach_a_closed_connection_does_not_cut_its_bye_short() -> None:
+    # Rank 1 sends its last START and a BYE, and closes; its op completes before the BYE is
+    # read, and the RESULT to rank 1 fails (no route). Rank 1 left on purpose: it must not
+    # count as lost (it did when the failed send declared it gone before its BYE was read).
+    import zmq
+
+    from omnireduce.dtypes import DType
+    from omnireduce.layout import Layout
+    from omnireduce.protocol import Result, decode
+    from worker.op import WorkerOp
+
+    agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=10)
+    poller = zmq.Poller()
+    for s in agg.serve_sockets():
+        poller.register(s, zmq.POLLIN)
+    ctx = zmq.Context()
+    r0, r1 = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in (r0, r1):
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(agg.address)
+
+    def step(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            agg.serve_step(dict(poller.poll(20)))
+
+    def start(rank: int) -> list[list[bytes]]:
+        op = WorkerOp("j", rank, 2, 0, np.ones(64, np.float32), DType.FLOAT32, Layout(64, 8, 4, 1))
+        return [wire(frames) for frames in op.start()]
+
+    try:
+        r1.send_multipart(encode(Hello("j", 1, 2, 0, "t")))
+        r0.send_multipart(encode(Hello("j", 0, 2, 0, "t")))
+        for frames in start(0):
+            r0.send_multipart(frames)
+        step(0.3)  # both bound, the op waits for rank 1
+        for frames in start(1):
+            r1.send_multipart(frames)
+        r1.send_multipart(encode(Bye("j", 1)))
+        time.sleep(0.2)
+        r1.close()
+        time.sleep(0.3)
+        step(1.5)  # past the departure's grace
+        assert r0.poll(1000)
+        assert isinstance(decode(r0.recv_multipart())[0], Result)
+        assert agg.counters.send_failures >= 1, "the RESULT to rank 1 did not fail: the test tests nothing"
+        assert agg.counters.peers_lost == 0
+    finally:
+        r0.close()
+        r1.close()
+        agg.serve_end()
+        agg.close()
+        ctx.term()

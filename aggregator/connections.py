@@ -6,6 +6,10 @@ on: the descriptor (``SRCFD``) and how many times that descriptor had been accep
 by then. When the monitor reports the end of a connection, its ids are *departing*:
 their last messages (a BYE) are still read, then they are declared gone.
 
+An id whose first message is read after its connection's end is departing at once
+(a worker that died right after connecting fails its job's ops then, not at their
+timeout).
+
 A closed connection's messages can still be read after the monitor told of its end,
 and by then a new connection may hold its descriptor number. Two rules keep such a
 late message from being taken for the new connection's, which once had a live rank
@@ -93,6 +97,8 @@ class Connections:
 
     def __init__(self) -> None:
         self._accepts: dict[int, int] = {}
+        # Whether the connection last accepted on a descriptor has ended.
+        self._ended: dict[int, bool] = {}
         # A connection carries one id; more where a late id could not be told apart.
         self._ids: dict[Conn, set[bytes]] = {}
         #: Tracked ids: their connection, or None for one without a descriptor (inproc).
@@ -107,9 +113,11 @@ class Connections:
 
     def accepted(self, fd: int) -> None:
         self._accepts[fd] = self._accepts.get(fd, 0) + 1
+        self._ended[fd] = False
 
     def disconnected(self, fd: int) -> list[bytes]:
         """The ids of the connection on ``fd`` that ended, now departing."""
+        self._ended[fd] = True
         ids = self._ids.pop((fd, self._accepts.get(fd, 0)), set())
         for peer in ids:
             self.conn_of.pop(peer, None)
@@ -126,10 +134,16 @@ class Connections:
         Returns:
             Whether to handle the message (False: a late one of a closed connection,
             now gone), and the ids found to belong to closed connections, which the
-            caller declares gone.
+            caller declares gone. ``peer`` itself is in :attr:`departing` afterwards
+            where its connection has ended already.
         """
         if fd is None:
             self.conn_of[peer] = None
+            return True, []
+        if self._ended.get(fd, False):
+            # The descriptor's last connection ended before this, its first message, was
+            # read (a newer one would have been accepted first): it is this id's.
+            self.departing.add(peer)
             return True, []
         conn = (fd, self._accepts.get(fd, 0))
         ids = self._ids.setdefault(conn, set())

@@ -277,6 +277,9 @@ class Aggregator:
         handle, stale = self._conns.track(peer, fd)
         if not handle:
             logger.debug("a late message of closed connection %s (fd %d) dropped", peer.hex(), fd)
+        elif peer in self._conns.departing:
+            logger.debug("connection %s (fd %d) closed before its first message was read", peer.hex(), fd)
+            self._departed.append((time.monotonic(), peer, self._departure_reason()))
         for old in stale:
             self._log(logging.INFO, "connection %s (fd %d) is gone: %s, issued later, came on its descriptor",
                       old.hex(), fd, peer.hex())
@@ -290,16 +293,19 @@ class Aggregator:
             elif kind == zmq.EVENT_DISCONNECTED:
                 for peer in self._conns.disconnected(value):
                     logger.debug("connection %s (fd %d) closed", peer.hex(), value)
-                    why = "disconnected"
-                    if self.heartbeat_timeout is not None:
-                        why += f" (connection closed, or no heartbeat for {self.heartbeat_timeout:g} s)"
                     # Its last messages may still wait in the socket: see _declare_departures.
-                    self._departed.append((time.monotonic(), peer, why))
+                    self._departed.append((time.monotonic(), peer, self._departure_reason()))
             elif kind in transport.HANDSHAKE_FAILURES:
                 self.counters.error("handshake")
                 self._log(
                     logging.WARNING, "refused a connection: %s (%s)", transport.HANDSHAKE_FAILURES[kind].listener, value
                 )
+
+    def _departure_reason(self) -> str:
+        why = "disconnected"
+        if self.heartbeat_timeout is not None:
+            why += f" (connection closed, or no heartbeat for {self.heartbeat_timeout:g} s)"
+        return why
 
     def _declare_departures(self, drained: bool) -> None:
         """Declares closed connections gone, once their last messages (a BYE) have been read.

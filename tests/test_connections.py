@@ -126,3 +126,15 @@ def test_the_generated_ids_start_where_no_client_can_guess() -> None:
     ]
     assert all(len(f) == 10 and f.startswith("00") for f in firsts), firsts
     assert firsts[0] != firsts[1] and "006b8b4567" not in firsts
+
+
+def test_an_id_first_read_after_its_connection_ended_is_departing() -> None:
+    # A worker that connected, sent its HELLO and died before the aggregator read anything:
+    # the end is known before the id is, and the id must still be declared.
+    c = Connections()
+    c.accepted(FD)
+    assert c.disconnected(FD) == []
+    assert c.track(A, FD) == (True, [])
+    assert c.departing == {A} and A not in c.conn_of
+    c.accepted(FD)  # the next connection on the descriptor is open
+    assert c.track(B, FD) == (True, []) and c.conn_of == {B: (FD, 2)} and c.departing == {A}

@@ -447,3 +447,46 @@ def test_a_reply_that_cannot_reach_a_closed_connection_does_not_cut_its_bye_shor
         agg.serve_end()
         agg.close()
         ctx.term()
+
+
+def test_a_worker_that_died_before_its_hello_was_read_fails_the_job_fast() -> None:
+    # Its connection's end is read before its first message: the rank is still declared
+    # lost (PEER_LOST), rather than the job's op waiting for its timeout.
+    import zmq
+
+    from omnireduce.protocol import Error, decode
+
+    agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=30)
+    poller = zmq.Poller()
+    for s in agg.serve_sockets():
+        poller.register(s, zmq.POLLIN)
+    ctx = zmq.Context()
+    r0, r1 = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s in (r0, r1):
+        s.setsockopt(zmq.LINGER, 0)
+    try:
+        r0.connect(agg.address)
+        r0.send_multipart(encode(Hello("j", 0, 2, 0, "t")))
+        end = time.monotonic() + 5
+        while not agg._conns.conn_of and time.monotonic() < end:
+            agg.serve_step(dict(poller.poll(20)))
+        r1.connect(agg.address)
+        r1.send_multipart(encode(Hello("j", 1, 2, 0, "t")))
+        time.sleep(0.2)
+        r1.close()
+        time.sleep(0.3)  # nothing of rank 1 read yet: the monitor's DISCONNECTED comes first
+        r0.send_multipart(start_frames(0, 2, op=0))
+        end = time.monotonic() + 5
+        got = None
+        while got is None and time.monotonic() < end:
+            agg.serve_step(dict(poller.poll(20)))
+            if r0.poll(0):
+                got = decode(r0.recv_multipart())[0]
+        assert isinstance(got, Error) and got.code == ErrorCode.PEER_LOST, got
+        assert "rank 1" in got.message
+    finally:
+        r0.close()
+        r1.close()
+        agg.serve_end()
+        agg.close()
+        ctx.term()

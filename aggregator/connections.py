@@ -6,9 +6,9 @@ on: the descriptor (``SRCFD``) and how many times that descriptor had been accep
 by then. When the monitor reports the end of a connection, its ids are *departing*:
 their last messages (a BYE) are still read, then they are declared gone.
 
-An id whose first message is read after its connection's end is departing at once
-(a worker that died right after connecting fails its job's ops then, not at their
-timeout).
+An id whose first message is read after its connection's end (and before a newer
+connection was accepted on the descriptor) is departing at once: a worker that died
+right after connecting fails its job's ops then, not at their timeout.
 
 A closed connection's messages can still be read after the monitor told of its end,
 and by then a new connection may hold its descriptor number. Two rules keep such a
@@ -23,7 +23,13 @@ declared lost:
   byte and a 32-bit counter, big-endian, that counts up: libzmq's
   ``router_t::identify_peer``). For ids a peer chose itself (``ZMQ_ROUTING_ID``; our
   workers never set one) the order cannot be told: both are kept, and a dead one is
-  found when a send to it fails or when the connection ends.
+  found when a send to it fails or when the connection ends. (And a late HELLO never
+  takes a rank from a connection issued after its own: :class:`aggregator.jobs.Jobs`.)
+
+All of this rests on the order in which ZeroMQ reports events and delivers messages
+with one I/O thread: a connection's ACCEPTED is emitted before its handshake can run,
+so before its first message, and its DISCONNECTED before its descriptor is closed.
+The aggregator refuses a context with more I/O threads.
 """
 
 from __future__ import annotations
@@ -97,8 +103,8 @@ class Connections:
 
     def __init__(self) -> None:
         self._accepts: dict[int, int] = {}
-        # Whether the connection last accepted on a descriptor has ended.
-        self._ended: dict[int, bool] = {}
+        # Descriptors whose last accepted connection has ended.
+        self._ended: set[int] = set()
         # A connection carries one id; more where a late id could not be told apart.
         self._ids: dict[Conn, set[bytes]] = {}
         #: Tracked ids: their connection, or None for one without a descriptor (inproc).
@@ -113,11 +119,12 @@ class Connections:
 
     def accepted(self, fd: int) -> None:
         self._accepts[fd] = self._accepts.get(fd, 0) + 1
-        self._ended[fd] = False
+        self._ended.discard(fd)
 
     def disconnected(self, fd: int) -> list[bytes]:
-        """The ids of the connection on ``fd`` that ended, now departing."""
-        self._ended[fd] = True
+        """The ids of the connection on ``fd`` that ended, now departing; the descriptor is
+        marked ended until its next connection is accepted."""
+        self._ended.add(fd)
         ids = self._ids.pop((fd, self._accepts.get(fd, 0)), set())
         for peer in ids:
             self.conn_of.pop(peer, None)
@@ -140,7 +147,7 @@ class Connections:
         if fd is None:
             self.conn_of[peer] = None
             return True, []
-        if self._ended.get(fd, False):
+        if fd in self._ended:
             # The descriptor's last connection ended before this, its first message, was
             # read (a newer one would have been accepted first): it is this id's.
             self.departing.add(peer)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aggregator.connections import issued_before
 from aggregator.limits import Limits
 from omnireduce.errors import OmniReduceError
 from omnireduce.protocol import Blocks, ErrorCode, Hello, Start
@@ -274,6 +275,11 @@ class Jobs:
         return j
 
     def _bind(self, peer: bytes, j: Job, rank: int) -> None:
+        holder = j.members.get(rank)
+        if holder is not None and holder != peer and issued_before(peer, holder):
+            # A late HELLO of a connection that closed (its worker connected again, and the
+            # newer connection's HELLO was read first): it never takes the rank back.
+            raise Refused(ErrorCode.STALE, f"rank {rank} is held by a newer connection of the job")
         bound = self._bindings.setdefault(peer, {})
         if j.name not in bound and len(bound) >= self.limits.max_jobs_per_connection:
             raise Refused(

@@ -61,7 +61,7 @@ class Aggregator:
         timeout: seconds after an op's first message at which it is failed on all its
             workers; None waits forever.
         context: ZeroMQ context to use; a private one by default (CURVE needs its
-            authenticator, one per context).
+            authenticator, one per context). It must have one I/O thread (the default).
         limits: caps on jobs, world size, ops in flight, bytes held and message size.
         heartbeat: seconds between heartbeats on each connection; default
             ``$OMNIREDUCE_HEARTBEAT``, else 1; 0 turns them off.
@@ -109,6 +109,9 @@ class Aggregator:
             raise ConfigError("no endpoint to listen on")
         self.heartbeat_timeout = heartbeat_timeout if heartbeat else None
         memory.tune_malloc()
+        if context is not None and context.get(zmq.IO_THREADS) != 1:
+            # aggregator.connections relies on one I/O thread's order of events and messages.
+            raise ConfigError(f"the aggregator needs a context of one I/O thread, got {context.get(zmq.IO_THREADS)}")
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self.engine = Engine(timeout=timeout, limits=self.limits)
@@ -389,7 +392,7 @@ class Aggregator:
             counters.bytes_in += transport.frames_nbytes(frames) - len(peer)
             # A peer with a socket descriptor sent a copy (TCP, IPC); an inproc
             # peer (a co-located worker) handed over its own memory.
-            owned = closed or conns.conn_of.get(peer) is not None
+            owned = peer in conns.departing or conns.conn_of.get(peer) is not None
             self._send_all(self.engine.handle(peer, frames[1:], owned=owned))
         self._declare_departures(drained)
         self._send_all(self.engine.expire())

@@ -138,3 +138,46 @@ def test_an_id_first_read_after_its_connection_ended_is_departing() -> None:
     assert c.departing == {A} and A not in c.conn_of
     c.accepted(FD)  # the next connection on the descriptor is open
     assert c.track(B, FD) == (True, []) and c.conn_of == {B: (FD, 2)} and c.departing == {A}
+
+
+def test_a_late_hello_of_an_older_connection_never_takes_the_rank_back() -> None:
+    # A worker's connection died before its HELLO was read; the worker connected again, and
+    # the new connection's HELLO was read first. The old HELLO, read late, must not take the
+    # rank back: its connection is then declared gone, and the rank would be lost.
+    from aggregator import Engine
+    from omnireduce.protocol import Error, ErrorCode, Hello, Result, decode, encode
+    from tests.helpers import start_frames, wire
+
+    engine = Engine()
+    r0, old, new = gen(1), gen(2), gen(3)
+    engine.handle(r0, wire(encode(Hello("j", 0, 2, 0, "t"))))
+    assert engine.handle(new, wire(encode(Hello("j", 1, 2, 0, "t")))) == []
+    [(peer, frames)] = engine.handle(old, wire(encode(Hello("j", 1, 2, 0, "t"))))
+    msg = decode(wire(frames))[0]
+    assert peer == old and isinstance(msg, Error) and msg.code == ErrorCode.STALE
+    assert engine.peer_gone(old) == [] and engine.counters.peers_lost == 0
+    out = engine.handle(r0, start_frames(0, 2, op=0, streams=1))
+    out += engine.handle(new, start_frames(1, 2, op=0, streams=1))
+    assert {p for p, _ in out} == {r0, new}
+    assert all(isinstance(decode(wire(f))[0], Result) for _, f in out)
+    # The other order (the newer connection's HELLO read last) was always fine: it takes over.
+    engine.handle(gen(4), wire(encode(Hello("k", 0, 1, 0, "t"))))
+    assert engine.handle(gen(5), wire(encode(Hello("k", 0, 1, 0, "t")))) == []
+    assert engine.peer_gone(gen(4)) == []
+    assert engine.job_info("k")["ranks"] == [0] and engine.job_info("k")["lost"] == {}
+
+
+def test_a_context_of_several_io_threads_is_refused() -> None:
+    # The book relies on one I/O thread's order of events and messages.
+    import pytest
+    import zmq
+
+    from aggregator import Aggregator
+    from omnireduce.errors import ConfigError
+
+    ctx = zmq.Context(io_threads=2)
+    try:
+        with pytest.raises(ConfigError, match="one I/O thread"):
+            Aggregator(listen="tcp://127.0.0.1:0", context=ctx)
+    finally:
+        ctx.term()

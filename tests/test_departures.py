@@ -9,6 +9,7 @@ ids and connections itself is unit-tested in tests/test_connections.py.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 import zmq
 
 from aggregator import Aggregator
@@ -68,8 +70,9 @@ def op_starts(rank: int) -> list[list[bytes]]:
     return [wire(frames) for frames in op.start()]
 
 
-# The clients of the test below, in a process of their own, so that the aggregator's process
-# opens no descriptor but the connections it accepts (Linux hands out the lowest free one).
+# The clients of the test below, in a process of their own, so that their own sockets take no
+# descriptor of the aggregator's process between A's end and B's connection (Linux hands out
+# the lowest free one, so B's connection gets A's).
 _LATE_CLIENTS = """
 import json, sys, time
 import numpy as np, zmq
@@ -167,21 +170,29 @@ def test_a_reply_that_cannot_reach_a_closed_connection_does_not_cut_its_bye_shor
         assert h.agg.counters.peers_lost == 0
 
 
-def test_a_worker_that_died_before_its_hello_was_read_fails_the_job_fast() -> None:
+def test_a_worker_that_died_before_its_hello_was_read_fails_the_job_fast(caplog: pytest.LogCaptureFixture) -> None:
     # Its connection's end is read before its first message: the rank is still declared
     # lost (PEER_LOST), rather than the job's op waiting for its timeout.
+    caplog.set_level(logging.DEBUG, logger="aggregator.server")
     with hand_served(timeout=30) as h:
         r0, r1 = h.dealer(), h.dealer()
         r0.connect(h.agg.address)
         r0.send_multipart(encode(Hello("j", 0, 2, 0, "t")))
         h.step(5, until=lambda: bool(h.agg._conns.conn_of))
+        r1.setsockopt(zmq.LINGER, 2000)  # its HELLO goes out even though it closes at once
+        mon = r1.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         r1.connect(h.agg.address)
+        assert mon.poll(5000), "rank 1 never connected"
         r1.send_multipart(encode(Hello("j", 1, 2, 0, "t")))
-        time.sleep(0.2)
+        r1.disable_monitor()
+        mon.close()
         r1.close()
-        time.sleep(0.3)  # nothing of rank 1 read yet: the monitor's DISCONNECTED comes first
+        time.sleep(0.5)  # nothing of rank 1 read yet: the monitor's DISCONNECTED comes first
         r0.send_multipart(start_frames(0, 2, op=0))
         h.step(5, until=lambda: bool(r0.poll(0)))
-        got = decode(r0.recv_multipart(zmq.NOBLOCK))[0]
+        assert r0.poll(0), "rank 0's op got no answer: it waits for the dead rank 1"
+        got = decode(r0.recv_multipart())[0]
         assert isinstance(got, Error) and got.code == ErrorCode.PEER_LOST, got
         assert "rank 1" in got.message
+        # The new path ran (else the end was read after the HELLO, as it always could be).
+        assert "closed before its first message was read" in caplog.text

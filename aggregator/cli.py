@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import logging
 import signal
-import threading
+import time
 from types import FrameType
 
 from aggregator.limits import Limits
@@ -14,6 +14,9 @@ from aggregator.server import Aggregator
 from omnireduce.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+# How often the main thread looks for a termination signal.
+_SIGNAL_POLL_S = 0.2
 
 _LIMIT_HELP = {
     "max_jobs": "jobs known at once",
@@ -83,17 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ConfigError) as e:
         logger.error("%s", e)
         return 1
-    stop = threading.Event()
+    received: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        logger.info("signal %d: shutting down", signum)
-        stop.set()
+        # Only a note: the handler runs between two bytecodes of the main thread, which may
+        # hold a lock the handler would take (threading.Event.set, logging's): a deadlock.
+        received.append(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     agg.start()
-    while not stop.wait(0.5):
-        pass
+    while not received:
+        time.sleep(_SIGNAL_POLL_S)
+    logger.info("signal %d: shutting down", received[0])
     agg.close()
     logger.info("completed %d ops, failed %d", agg.engine.ops_completed, agg.engine.ops_failed)
     return 0

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -85,3 +86,25 @@ def test_bytes_sent_at_one_percent_density(daemon: str) -> None:
             payload = op["nonzero_blocks"] * 256 * 4
             assert payload <= op["bytes_sent"] <= payload + 20_000
             assert op["bytes_sent"] / op["dense_bytes"] < 0.0115
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_the_daemon_stops_on_a_signal_with_its_summary(sig: signal.Signals) -> None:
+    # The handler only notes the signal; the main thread shuts down (a handler that took a
+    # lock, as threading.Event.set does, could deadlock against the main thread holding it).
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aggregator", "--listen", "tcp://127.0.0.1:0", "--log-level", "info"],
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "listening on" in line:
+                break
+        proc.send_signal(sig)
+        _, rest = proc.communicate(timeout=10)
+        assert proc.returncode == 0
+        assert f"signal {int(sig)}: shutting down" in rest and "completed 0 ops, failed 0" in rest
+    finally:
+        proc.kill()
+        proc.wait()

@@ -11,7 +11,8 @@ Metrics (all prefixed ``omnireduce_aggregator_``): ``ops_started_total``,
 ``bytes_in_total``, ``bytes_out_total``, ``blocks_in_total``, ``blocks_out_total``,
 ``rounds_total``, ``peers_lost_total``, ``send_failures_total``, ``late_dropped_total``,
 ``errors_total{kind=...}`` (failed ops and refused messages by error code, and
-``handshake`` for refused connections), ``op_latency_seconds`` (histogram, from an
+``handshake`` for refused connections, ``handshake_aborted`` for peers that closed
+during the handshake, such as a health check's bare TCP connect), ``op_latency_seconds`` (histogram, from an
 op's first message to its last result), and the gauges ``active_jobs``,
 ``active_ops``, ``held_bytes`` and ``peak_held_bytes``.
 """

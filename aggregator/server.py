@@ -299,10 +299,13 @@ class Aggregator:
                     # Its last messages may still wait in the socket: see _declare_departures.
                     self._departed.append((time.monotonic(), peer, self._departure_reason()))
             elif kind in transport.HANDSHAKE_FAILURES:
-                self.counters.error("handshake")
-                self._log(
-                    logging.WARNING, "refused a connection: %s (%s)", transport.HANDSHAKE_FAILURES[kind].listener, value
-                )
+                failure = transport.HANDSHAKE_FAILURES[kind]
+                if failure.aborted:
+                    self.counters.error("handshake_aborted")
+                    self._log(logging.INFO, "%s (errno %s)", failure.listener, value)
+                else:
+                    self.counters.error("handshake")
+                    self._log(logging.WARNING, "refused a connection: %s (%s)", failure.listener, value)
 
     def _departure_reason(self) -> str:
         why = "disconnected"

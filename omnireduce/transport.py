@@ -55,6 +55,9 @@ class HandshakeFailure(NamedTuple):
     connector: str
     #: Failures in a row before the connecting end counts the connection as refused.
     strikes: int = 1
+    #: For the listening end, the peer went away during the handshake (a port probe, a
+    #: peer shutting down or giving up): the listener refused nothing, no cause for a warning.
+    aborted: bool = False
 
 
 #: Monitor events of a refused handshake (wrong CURVE key, CURVE at one end only, ...).
@@ -64,11 +67,15 @@ HANDSHAKE_FAILURES: dict[int, HandshakeFailure] = {
         "protocol or security mechanism mismatch",
         "protocol or security mechanism mismatch: is CURVE on at one end only?",
     ),
-    # A peer that closes during the handshake (an aggregator shutting down, a co-located
-    # rank leaving) reports just like one that cannot read the worker's CURVE HELLO (a
-    # wrong server key), errno and all; only the wrong key fails again on the retry.
+    # To a worker, a peer that closes during the handshake (an aggregator shutting down, a
+    # co-located rank leaving) reports just like one that cannot read the worker's CURVE
+    # HELLO (a wrong server key), errno and all; only the wrong key fails again on the
+    # retry. To the aggregator, whose own refusals are AUTH or PROTOCOL, it is a peer that
+    # went away (a health check's bare TCP connect, a worker that died while connecting,
+    # or one that found a mismatch itself and gave up, such as a worker without CURVE).
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: HandshakeFailure(
-        "handshake failed", "handshake failed: is the aggregator's public key right?", strikes=2
+        "a connection closed during its handshake", "handshake failed: is the aggregator's public key right?",
+        strikes=2, aborted=True,
     ),
 }
 # Events both ends watch: a connection's end, and refused handshakes.

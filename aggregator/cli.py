@@ -75,6 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.timeout < 0:
         raise SystemExit("--timeout must be >= 0")
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        # Only a note: the handler runs between two bytecodes of the main thread, which may
+        # hold a lock the handler would take (threading.Event.set, logging's): a deadlock.
+        received.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # before the aggregator logs that it listens
     try:
         limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
         agg = Aggregator(
@@ -86,15 +95,6 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ConfigError) as e:
         logger.error("%s", e)
         return 1
-    received: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        # Only a note: the handler runs between two bytecodes of the main thread, which may
-        # hold a lock the handler would take (threading.Event.set, logging's): a deadlock.
-        received.append(signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     agg.start()
     while not received:
         time.sleep(_SIGNAL_POLL_S)

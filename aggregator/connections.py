@@ -37,7 +37,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
 from collections import OrderedDict
 
 __all__ = ["Connections", "issued_before", "is_generated", "seed_generated_ids"]
@@ -53,10 +52,6 @@ Conn = tuple[int, int]
 _GONE_KEPT = 16384
 
 
-_seeded = threading.Lock()
-_seed_done = False
-
-
 def seed_generated_ids() -> None:
     """Starts the ROUTER's id counter at a random value: call before making the socket.
 
@@ -64,19 +59,14 @@ def seed_generated_ids() -> None:
     same value in every process; and it does not stop a peer from choosing an id of
     the generated form. A ROUTER whose counter reaches an id a peer took aborts the
     process (a libzmq assertion), so a predictable start lets any client that can
-    connect kill the aggregator. Seeding ``rand()`` once per process from the OS makes
-    the start unpredictable (CURVE with an allow-list of client keys keeps strangers
-    out altogether).
+    connect kill the aggregator. Seeding ``rand()`` from the OS before each ROUTER is
+    made makes its start unpredictable (CURVE with an allow-list of client keys keeps
+    strangers out altogether).
     """
-    global _seed_done
-    with _seeded:
-        if _seed_done:
-            return
-        _seed_done = True
-        try:
-            ctypes.CDLL(None).srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "big")))
-        except (OSError, AttributeError) as e:  # no C library to load by that name
-            logger.warning("cannot seed the routing id counter (%s): it starts where libzmq's rand() does", e)
+    try:
+        ctypes.CDLL(None).srand(ctypes.c_uint(int.from_bytes(os.urandom(4), "big")))
+    except (OSError, AttributeError) as e:  # no C library to load by that name
+        logger.warning("cannot seed the routing id counter (%s): it starts where libzmq's rand() does", e)
 
 
 def is_generated(peer: bytes) -> bool:

@@ -41,6 +41,10 @@ _POLL_MS = 50
 _DEPARTURE_GRACE_S = 1.0
 # Messages handled before the loop looks at timeouts, the monitor and the stop flag again.
 _BATCH = 256
+# serve_step's marks for an id without a tracked connection: a late message to drop, and
+# one whose connection has ended (its frames were still the socket's own copy).
+_UNTRACKED = object()
+_CLOSED = (-1, -1)
 # Far above what the protocol keeps in flight (streams x ops per worker), so a
 # full queue means a peer that stopped reading, which ROUTER_MANDATORY reports.
 _SNDHWM = 100_000
@@ -289,6 +293,18 @@ class Aggregator:
             self._lost(old, "disconnected")
         return handle
 
+    def _untracked(self, peer: bytes, frame: zmq.Frame) -> Any:
+        """The connection of a message whose id is not tracked (tracking a new id now);
+        :data:`_CLOSED` for a departing id, whose last messages are still read, and
+        :data:`_UNTRACKED` for a late message to drop."""
+        conns = self._conns
+        if conns.is_gone(peer):
+            return _UNTRACKED
+        if peer not in conns.departing and not self._track(peer, frame):
+            return _UNTRACKED
+        # A departing id had a descriptor (the monitor told of its end), as a new one may.
+        return conns.conn_of.get(peer, _CLOSED)
+
     def _read_monitor(self) -> None:
         for kind, value in transport.monitor_events(self._mon):
             if kind == zmq.EVENT_ACCEPTED:
@@ -384,19 +400,17 @@ class Aggregator:
                 drained = True
                 break
             peer = frames[0].bytes
-            conns = self._conns
-            closed = peer in conns.departing
-            if conns.is_gone(peer) or (not closed and peer not in conns.conn_of and not self._track(peer, frames[0])):
-                # A late message of a connection declared gone: the engine forgot its peer.
-                counters.messages_in += 1
-                counters.bytes_in += transport.frames_nbytes(frames) - len(peer)
-                counters.late_dropped += 1
-                continue
             counters.bytes_in += transport.frames_nbytes(frames) - len(peer)
+            conn = self._conns.conn_of.get(peer, _UNTRACKED)
+            if conn is _UNTRACKED:
+                conn = self._untracked(peer, frames[0])
+                if conn is _UNTRACKED:
+                    counters.messages_in += 1
+                    counters.late_dropped += 1
+                    continue
             # A peer with a socket descriptor sent a copy (TCP, IPC); an inproc
             # peer (a co-located worker) handed over its own memory.
-            owned = peer in conns.departing or conns.conn_of.get(peer) is not None
-            self._send_all(self.engine.handle(peer, frames[1:], owned=owned))
+            self._send_all(self.engine.handle(peer, frames[1:], owned=conn is not None))
         self._declare_departures(drained)
         self._send_all(self.engine.expire())
 

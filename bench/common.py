@@ -312,10 +312,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 pred, err = r.get("predicted_s"), r.get("model_error")
                 line += f" {(f'{pred * 1e3:.1f}' if pred is not None else '-'):>9}"
                 line += f" {(f'{err * 100:+.0f}%' if err is not None else '-'):>7}"
-            if s.startswith("omnireduce") and r.get("sent_fraction") is not None:
-                sent = f"{r['sent_fraction'] * 100:.1f}%"
-            if s.startswith("omnireduce") and r.get("union_fraction") is not None:
-                union = f"{r['union_fraction'] * 100:.1f}%"
+            if s.startswith("omnireduce"):
+                if r.get("sent_fraction") is not None:
+                    sent = f"{r['sent_fraction'] * 100:.1f}%"
+                if r.get("union_fraction") is not None:
+                    union = f"{r['union_fraction'] * 100:.1f}%"
         line += f" | {sent:>6} {union:>6} {'yes' if ok else 'NO':>3}"
         lines.append(line)
     return "\n".join(lines)

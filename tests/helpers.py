@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a child Python process that imports this repository's packages."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+
+
 # Data.
 
 

@@ -26,7 +26,7 @@ from bench.common import (
     worker_mode,
     write_outputs,
 )
-from tests.helpers import ROOT
+from tests.helpers import ROOT, child_env
 
 NO_CLUSTER = cluster.preflight()
 
@@ -37,7 +37,7 @@ def _bench(module: str, out: str, *extra: str, timeout: float = 150, cwd: str = 
         "--repeats", "2", "--warmup", "1", "--time-limit", "120", "--op-timeout", "60", "--no-progress",
         "--out", out, *extra,
     ]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = child_env()
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -112,13 +112,12 @@ ctx.term()
 def test_the_generated_ids_start_where_no_client_can_guess() -> None:
     # libzmq starts its counter at an unseeded rand(): the same ids in every process, so a
     # client could take the next one and make libzmq abort the aggregator when it comes.
-    import os
     import subprocess
     import sys
 
-    from tests.helpers import ROOT
+    from tests.helpers import ROOT, child_env
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = child_env()
     firsts = [
         subprocess.run([sys.executable, "-c", _FIRST_ID], capture_output=True, text=True, env=env, cwd=ROOT,
                        timeout=60).stdout.strip()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -19,16 +18,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 import zmq
 
 from aggregator import Aggregator
-from omnireduce.dtypes import DType
-from omnireduce.layout import Layout
 from omnireduce.protocol import Bye, Error, ErrorCode, Hello, Result, decode, encode
-from tests.helpers import ROOT, start_frames, wire
-from worker.op import WorkerOp
+from tests.helpers import ROOT, child_env, start_frames
 
 
 @dataclass
@@ -64,23 +59,14 @@ def hand_served(timeout: float = 10) -> Iterator[HandServed]:
         agg.close()
 
 
-def op_starts(rank: int) -> list[list[bytes]]:
-    """Rank ``rank``'s STARTs of op 0 of job "j" (2 ranks, 64 ones, one stream)."""
-    op = WorkerOp("j", rank, 2, 0, np.ones(64, np.float32), DType.FLOAT32, Layout(64, 8, 4, 1))
-    return [wire(frames) for frames in op.start()]
-
-
 # The clients of the test below, in a process of their own, so that their own sockets take no
 # descriptor of the aggregator's process between A's end and B's connection (Linux hands out
 # the lowest free one, so B's connection gets A's).
 _LATE_CLIENTS = """
 import json, sys, time
-import numpy as np, zmq
-from omnireduce.dtypes import DType
-from omnireduce.layout import Layout
-from omnireduce.protocol import Error, Hello, Result, decode, encode
-from tests.helpers import wire
-from worker.op import WorkerOp
+import zmq
+from omnireduce.protocol import Hello, Result, decode, encode
+from tests.helpers import start_frames
 
 address = sys.argv[1]
 ctx = zmq.Context()
@@ -96,9 +82,7 @@ time.sleep(0.3)
 for rank, s in ((1, b), (0, c)):
     s.connect(address)
     s.send_multipart(encode(Hello("new", rank, 2, 0, "t")))
-    op = WorkerOp("new", rank, 2, 0, np.ones(64, np.float32), DType.FLOAT32, Layout(64, 8, 4, 2))
-    for frames in op.start():
-        s.send_multipart(wire(frames))
+    s.send_multipart(start_frames(rank, 2, job="new", streams=1))
     time.sleep(0.2)
 print("sent", flush=True)
 got = {"b": [], "c": []}
@@ -118,7 +102,7 @@ def test_late_messages_of_a_closed_connection_do_not_evict_the_live_one_on_its_d
     # number. Here connection A queues messages and closes before any is read; B and C (a
     # job of 2 ranks) connect, B on A's old descriptor, and do an op while A's late
     # messages are read in between. B must not be taken for gone.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = child_env()
     with hand_served() as h:
         clients = subprocess.Popen([sys.executable, "-c", _LATE_CLIENTS, h.agg.address], stdout=subprocess.PIPE,
                                    text=True, env=env, cwd=ROOT)
@@ -154,11 +138,9 @@ def test_a_reply_that_cannot_reach_a_closed_connection_does_not_cut_its_bye_shor
             s.connect(h.agg.address)
         r1.send_multipart(encode(Hello("j", 1, 2, 0, "t")))
         r0.send_multipart(encode(Hello("j", 0, 2, 0, "t")))
-        for frames in op_starts(0):
-            r0.send_multipart(frames)
+        r0.send_multipart(start_frames(0, 2, streams=1))
         h.step(0.3)  # both bound, the op waits for rank 1
-        for frames in op_starts(1):
-            r1.send_multipart(frames)
+        r1.send_multipart(start_frames(1, 2, streams=1))
         r1.send_multipart(encode(Bye("j", 1)))
         time.sleep(0.2)
         r1.close()

@@ -202,6 +202,9 @@ def summarise(steps: list[dict[str, Any]], params: list[dict[str, Any]], warmup:
             if phased:
                 # Medians of the slowest rank's phases, each on its own (they need not add up to the step's median).
                 row["phases_ms"] = {k: 1e3 * statistics.median(p[k] for p in phased) for k in phased[0]}
+            used = [e["cpu"] for e in timed if e.get("cpu")]
+            if used:
+                row["cpu_ms"] = {k: 1e3 * statistics.median(c[k] for c in used) for k in used[0]}
             if events[-1].get("paths"):
                 row["paths"] = events[-1]["paths"]
             rows.append(row)
@@ -243,28 +246,31 @@ def _write(out: str, args: argparse.Namespace, steps: list[dict[str, Any]], para
         json.dump({"args": vars(args), **extra, "summary": rows, "params": params, "steps": steps}, f, indent=1)
     fields = ["model", "rate", "workers", "system", "step", "seconds", "loss", "metric", "samples", "bytes_sent",
               "bytes_received", "protocol_bytes_sent", "dense_bytes", "slowest_rank",
-              *(f"{phase}_s" for phase in PHASES)]
+              *(f"{phase}_s" for phase in PHASES), *(f"cpu_{phase}_s" for phase in PHASES)]
     with open(os.path.join(out, "steps.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         # The slowest rank's phases as columns of their own.
-        writer.writerows({**e, **{f"{k}_s": v for k, v in (e.get("phases") or {}).items()}} for e in steps)
+        writer.writerows({**e, **{f"{k}_s": v for k, v in (e.get("phases") or {}).items()},
+                          **{f"cpu_{k}_s": v for k, v in (e.get("cpu") or {}).items()}} for e in steps)
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'model':6} {'rate':8} {'w':>2} {'system':22} {'step ms':>9} {'x dense':>8} {'x sparse':>9} "
-            f"{'MB/step':>8} {'loss':>7} {'to target s':>11} {'param diff':>10} {'fwd/bwd/tail/opt ms':>21}")
+            f"{'MB/step':>8} {'loss':>7} {'to target s':>11} {'param diff':>10} {'fwd/bwd/tail/opt ms':>21} "
+            f"{'CPU ms':>17}")
     lines = [head, "-" * len(head)]
     for r in rows:
         mb = "" if r["link_bytes_per_step"] is None else f"{r['link_bytes_per_step'] / 1e6:.1f}"
         tt = "" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
         gap = "" if r["max_abs_param_diff"] is None else f"{r['max_abs_param_diff']:.1e}"
         phases = "/".join(f"{v:.0f}" for v in r["phases_ms"].values()) if r.get("phases_ms") else ""
+        cpu = "/".join(f"{v:.0f}" for v in r["cpu_ms"].values()) if r.get("cpu_ms") else ""
         lines.append(
             f"{r['model']:6} {r['rate']:8} {r['workers']:>2} {r['system']:22} {1e3 * r['step_s_median']:9.1f} "
             f"{r.get('x_gloo-dense', float('nan')):8.2f} {r.get('x_gloo-sparse', float('nan')):9.2f} {mb:>8} "
-            f"{r['final_loss']:7.4f} {tt:>11} {gap:>10} {phases:>21}")
+            f"{r['final_loss']:7.4f} {tt:>11} {gap:>10} {phases:>21} {cpu:>17}")
     return "\n".join(lines)
 
 

@@ -99,7 +99,10 @@ class Replica:
     #: This rank's last step in phases (seconds): forward, backward until the last
     #: gradient was computed, the communication left after it, optimizer.
     phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    #: CPU seconds this rank's process (every thread) spent in each phase of its last step.
+    cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     last_grad: float = 0.0
+    last_grad_cpu: float = 0.0
 
     def close(self) -> None:
         if self.worker is not None:
@@ -122,6 +125,7 @@ def _replica(system: str, spec: train_models.ModelSpec, cfg: dict[str, Any], ran
 
     def grad_ready(_: torch.Tensor) -> None:
         replica.last_grad = time.perf_counter()
+        replica.last_grad_cpu = time.process_time()
 
     # The time the last gradient was computed: what backward() spends after it is
     # communication that did not overlap the computation.
@@ -148,17 +152,21 @@ def _replica(system: str, spec: train_models.ModelSpec, cfg: dict[str, Any], ran
 
 def _step(replica: Replica, spec: train_models.ModelSpec, batch: tuple[torch.Tensor, ...], iface: str | None) -> None:
     before = net_bytes(iface)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     replica.optimizer.zero_grad(set_to_none=True)
     loss, metric = spec.loss(replica.model, batch)
-    t1 = time.perf_counter()
+    c1, t1 = time.process_time(), time.perf_counter()
     loss.backward()
-    t2 = time.perf_counter()
+    c2, t2 = time.process_time(), time.perf_counter()
     replica.optimizer.step()
-    t3 = time.perf_counter()
+    c3, t3 = time.process_time(), time.perf_counter()
     replica.seconds = t3 - t0
     grads = min(max(replica.last_grad, t1), t2)
     replica.phases = (t1 - t0, grads - t1, t2 - grads, t3 - t2)
+    # Where the step's CPU went: work done during backward slows the computation on a
+    # loaded machine, work done while backward waits for the link costs nothing.
+    grads_cpu = min(max(replica.last_grad_cpu, c1), c2)
+    replica.cpu = (c1 - c0, grads_cpu - c1, c2 - grads_cpu, c3 - c2)
     after = net_bytes(iface)
     replica.loss = float(loss.detach())
     replica.metric = float(metric)
@@ -211,9 +219,10 @@ def run(cfg: dict[str, Any]) -> None:
             dist.all_reduce(values)
             values /= world
             # Every rank's time and phases: the step's time is the slowest rank's, and so are its phases.
-            timing = torch.zeros(world, len(replicas), 1 + len(PHASES), dtype=torch.float64)
-            timing[rank] = torch.tensor([[r.seconds, *r.phases] for r in replicas], dtype=torch.float64)
+            timing = torch.zeros(world, len(replicas), 1 + 2 * len(PHASES), dtype=torch.float64)
+            timing[rank] = torch.tensor([[r.seconds, *r.phases, *r.cpu] for r in replicas], dtype=torch.float64)
             dist.all_reduce(timing)
+            cpu = timing[:, :, 1 + len(PHASES):].mean(dim=0)
             slowest = timing[:, :, 0].argmax(dim=0)
             seconds = timing[slowest, torch.arange(len(replicas)), 0]
             if rank == 0:
@@ -223,7 +232,9 @@ def run(cfg: dict[str, Any]) -> None:
                         "loss": float(values[i, 0]), "metric": float(values[i, 1]), "samples": batch_size * world,
                         "bytes_sent": r.sent, "bytes_received": r.received,
                         "slowest_rank": int(slowest[i]),
-                        "phases": dict(zip(PHASES, timing[slowest[i], i, 1:].tolist(), strict=True)),
+                        "phases": dict(zip(PHASES, timing[slowest[i], i, 1 : 1 + len(PHASES)].tolist(), strict=True)),
+                        # The ranks' mean CPU seconds per phase (process CPU: every thread).
+                        "cpu": dict(zip(PHASES, cpu[i].tolist(), strict=True)),
                     }
                     if r.worker is not None and r.worker.stats.total is not None:
                         total = r.worker.stats.total

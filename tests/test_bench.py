@@ -308,3 +308,29 @@ def test_cluster_benchmark_cleans_up_when_terminated(tmp_path) -> None:
     links = [ln for ln in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
              .splitlines() if f" {tag}" in ln]
     assert left == [] and links == [], output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_backtoback_benchmark_tiny() -> None:
+    pytest.importorskip("torch")
+    cmd = [sys.executable, "-m", "bench.backtoback", "--workers", "2", "--rows", "500", "--width", "8",
+           "--lookups", "40", "--ops", "5", "--rounds", "2", "--timeout", "150"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    blocks = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    # The systems alternate, round after round; every rank reports its CPU.
+    assert [b["system"] for b in blocks] == ["gloo-sparse", "omnireduce-colocated"] * 2
+    for b in blocks:
+        assert b["ms_per_op"] > 0
+        assert len(b["cpu_ms_per_rank"]) == 2 and min(b["cpu_ms_per_rank"]) > 0
+    assert "| omnireduce-colocated |" in res.stdout
+
+
+def test_backtoback_rejects_bad_arguments() -> None:
+    from bench.backtoback import parse_args
+
+    assert parse_args(["--workers", "3"]).workers == 3
+    for bad in (["--workers", "0"], ["--lookups", "0"], ["--zipf", "-1"], ["--systems", "gloo"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

@@ -73,6 +73,9 @@ def test_outputs_are_written(loopback_run: str) -> None:
         assert row["slowest_rank"] in ("0", "1")
         phases = [float(row[f"{p}_s"]) for p in ("forward", "backward", "tail", "optimizer")]
         assert min(phases) >= 0 and sum(phases) <= float(row["seconds"]) * 1.001
+        # The ranks' CPU per phase: forward and backward compute, so they took CPU.
+        cpu = [float(row[f"cpu_{p}_s"]) for p in ("forward", "backward", "tail", "optimizer")]
+        assert min(cpu) >= 0 and cpu[0] > 0 and cpu[1] > 0
     with open(os.path.join(loopback_run, "results.json")) as f:
         summary = json.load(f)["summary"]
     assert {(r["model"], r["system"]) for r in summary} == {(m, s) for m in MODELS for s in SYSTEMS}
@@ -84,6 +87,8 @@ def test_outputs_are_written(loopback_run: str) -> None:
         assert list(phases) == ["forward", "backward", "tail", "optimizer"]
         assert phases["forward"] > 0 and phases["backward"] > 0 and min(phases.values()) >= 0
         assert sum(phases.values()) <= 1e3 * r["step_s_mean"] * STEPS
+        assert list(r["cpu_ms"]) == ["forward", "backward", "tail", "optimizer"]
+        assert r["cpu_ms"]["forward"] > 0 and r["cpu_ms"]["backward"] > 0 and min(r["cpu_ms"].values()) >= 0
     for model in MODELS:
         assert os.path.getsize(os.path.join(loopback_run, f"loss-{model}-loopback-w2.png")) > 1000
 

@@ -1,0 +1,163 @@
+"""Embedding gradients summed back to back: time and CPU per op of gloo sparse and omnireduce.
+
+``python -m bench.backtoback --workers 4 --lookups 1664 --width 129`` starts that many
+rank processes on loopback. Each rank holds a few sparse COO gradients as
+``nn.Embedding(sparse=True)`` makes them (one row per lookup, uncoalesced, ids drawn
+from a Zipf law over the table: the shape of ``bench.train``'s lm output table by
+default), and sums them over and over with each system in turn: gloo's sparse
+``all_reduce`` of the COO tensor, and a co-located omnireduce worker's ``allreduce``.
+Nothing else runs between ops (no tensor rebuilt, no barrier), so the figures are
+what one op costs when ops follow each other, as a training step's buckets do:
+wall time per op (the slowest rank's) and CPU per op of each rank (``getrusage``,
+every thread of the process). The systems alternate in blocks, ``--rounds`` times.
+
+It prints one JSON line per block and a table at the end. Timings only: the
+results of both systems are compared once, before timing, and a mismatch fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["main"]
+
+SYSTEMS = ("gloo-sparse", "omnireduce-colocated")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.backtoback", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=4, help="rank processes (default 4)")
+    p.add_argument("--rows", type=int, default=100_000, help="rows of the embedding table (default 100,000)")
+    p.add_argument("--width", type=int, default=129, help="floats per row (default 129)")
+    p.add_argument("--lookups", type=int, default=1664, help="lookups per rank per op (default 1,664)")
+    p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the ids (default 1.0)")
+    p.add_argument("--ops", type=int, default=300, help="ops per timed block (default 300)")
+    p.add_argument("--rounds", type=int, default=2, help="blocks per system, alternating (default 2)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
+    args = p.parse_args(argv)
+    for name in ("workers", "rows", "width", "lookups", "ops", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.zipf < 0:
+        p.error("--zipf must be non-negative")
+    return args
+
+
+def _gradients(args: argparse.Namespace, rank: int, count: int = 4) -> list[Any]:
+    import torch
+
+    rng = np.random.default_rng([7, rank])
+    weights = 1.0 / np.arange(1, args.rows + 1, dtype=np.float64) ** args.zipf
+    weights /= weights.sum()
+    grads = []
+    for _ in range(count):
+        ids = torch.from_numpy(rng.choice(args.rows, size=args.lookups, p=weights)).view(1, -1)
+        values = torch.from_numpy(rng.standard_normal((args.lookups, args.width), dtype=np.float32))
+        grads.append(torch.sparse_coo_tensor(ids, values, (args.rows, args.width), check_invariants=False))
+    return grads
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _rank(args: argparse.Namespace, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from worker.colocated import ColocatedWorker, torch_exchange
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.workers)
+    grads = _gradients(args, rank)
+    worker = ColocatedWorker(torch_exchange(), rank=rank, world_size=args.workers, listen="tcp://127.0.0.1:0")
+    try:
+        run = {
+            "gloo-sparse": lambda t: dist.all_reduce(t),
+            "omnireduce-colocated": lambda t: worker.allreduce(t),
+        }
+        expected = grads[0].clone()
+        dist.all_reduce(expected)
+        torch.testing.assert_close(worker.allreduce(grads[0]).to_dense(), expected.coalesce().to_dense(),
+                                   rtol=1e-5, atol=1e-5)
+        blocks = []
+        for _ in range(args.rounds):
+            for system in args.systems:
+                op = run[system]
+                for i in range(10):
+                    op(grads[i % len(grads)])
+                dist.barrier()
+                cpu0, t0 = _cpu_s(), time.perf_counter()
+                for i in range(args.ops):
+                    op(grads[i % len(grads)])
+                wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+                blocks.append((system, wall / args.ops * 1e3, cpu / args.ops * 1e3))
+        gathered: list[Any] = [None] * args.workers
+        dist.all_gather_object(gathered, blocks)
+    finally:
+        worker.close()
+    if rank == 0:
+        for i, (system, _, _) in enumerate(blocks):
+            print(json.dumps({
+                "system": system, "block": i, "ms_per_op": max(g[i][1] for g in gathered),
+                "cpu_ms_per_rank": [round(g[i][2], 3) for g in gathered],
+            }), flush=True)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("OMNIREDUCE_B2B_RANK") is not None:
+        _rank(parse_args(argv), int(os.environ["OMNIREDUCE_B2B_RANK"]))
+        return 0
+    args = parse_args(argv)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    cmd = [sys.executable, "-m", "bench.backtoback", *(argv if argv is not None else sys.argv[1:])]
+    procs = [subprocess.Popen(cmd, env={**env, "OMNIREDUCE_B2B_RANK": str(r)},
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True)
+             for r in range(args.workers)]
+    try:
+        out, _ = procs[0].communicate(timeout=args.timeout)
+        codes = [procs[0].returncode] + [p.wait(timeout=args.timeout) for p in procs[1:]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for e in events:
+        print(json.dumps(e))
+    if any(codes):
+        print(f"rank exit codes {codes}", file=sys.stderr)
+        return 1
+    print(f"\n{args.workers} workers, {args.lookups} lookups of {args.width} floats from {args.rows:,} rows "
+          f"(Zipf {args.zipf:g}), {args.ops} ops per block; load average {os.getloadavg()[0]:.1f}")
+    print("| system | ms per op (blocks) | CPU ms per rank per op (mean of ranks, blocks) |")
+    print("|---|---|---|")
+    for system in args.systems:
+        mine = [e for e in events if e["system"] == system]
+        ms = " / ".join(f"{e['ms_per_op']:.2f}" for e in mine)
+        cpu = " / ".join(f"{statistics.fmean(e['cpu_ms_per_rank']):.2f}" for e in mine)
+        print(f"| {system} | {ms} | {cpu} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

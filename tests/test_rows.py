@@ -225,6 +225,9 @@ def test_to_dense_slice_and_join_round_trip(row_shape: tuple[int, ...]) -> None:
         assert joined.dense_shape == s.dense_shape and joined.dtype == s.dtype
     # A slice between stored rows is empty but keeps the row shape.
     gap = int(np.setdiff1d(np.arange(num_rows), s.rows)[0])
+    for lo, hi in ((-1, 3), (3, 2), (0, s.num_rows + 1)):
+        with pytest.raises(ConfigError, match="not a range"):
+            s.slice_rows(lo, hi)
     empty = s.slice_rows(gap, gap + 1)
     assert len(empty.rows) == 0 and empty.values.shape == (0, *row_shape) and empty.num_rows == 1
     # join keeps a multi-dimensional shape.
@@ -249,6 +252,14 @@ def test_deal_and_undeal_round_trip(row_shape: tuple[int, ...]) -> None:
             assert p.num_rows == len(range(k, num_rows, shards)) and p.row_shape == s.row_shape
             assert p.dtype == s.dtype and bool((np.diff(p.rows) > 0).all())
             np.testing.assert_array_equal(p.to_dense(), dense[k::shards])
+            # Built unchecked: the checks would pass them all the same.
+            SparseRows(p.rows, p.values, p.num_rows, dtype=p.dtype)
+        chunks = s.deal(shards, ShardChunk)
+        assert all(type(c) is ShardChunk for c in chunks)
+        for c, p in zip(chunks, parts, strict=True):
+            np.testing.assert_array_equal(c.rows, p.rows)
+            np.testing.assert_array_equal(c.values, p.values)
+            assert c.num_rows == p.num_rows and c.dtype == p.dtype
         back = SparseRows.undeal(parts, num_rows, (num_rows, *row_shape))
         np.testing.assert_array_equal(back.rows, s.rows)
         np.testing.assert_array_equal(back.values, s.values)

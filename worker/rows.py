@@ -117,8 +117,10 @@ class SparseRows:
 
     def slice_rows(self, lo: int, hi: int) -> SparseRows:
         """Rows ``[lo, hi)``, renumbered from 0 (e.g. one table's rows of several joined)."""
+        if not 0 <= lo <= hi <= self.num_rows:
+            raise ConfigError(f"rows [{lo}, {hi}) are not a range of a tensor of {self.num_rows} rows")
         a, b = np.searchsorted(self.rows, [lo, hi])
-        return SparseRows(self.rows[a:b] - lo, self.values[a:b], hi - lo, dtype=self.dtype)
+        return SparseRows._unchecked(self.rows[a:b] - lo, self.values[a:b], hi - lo, None, self.dtype)
 
     @staticmethod
     def join(parts: list[SparseRows], offsets: list[int], num_rows: int, shape: tuple[int, ...] | None) -> SparseRows:
@@ -127,15 +129,33 @@ class SparseRows:
         values = np.concatenate([p.values for p in parts])
         return SparseRows(rows, values, num_rows, shape, parts[0].dtype)
 
-    def deal(self, parts: int) -> list[SparseRows]:
+    @classmethod
+    def _unchecked(cls, rows: np.ndarray, values: np.ndarray, num_rows: int, shape: tuple[int, ...] | None,
+                   dtype: DType | None) -> Any:
+        """Rows derived from checked ones by a transformation that keeps them valid (a slice, a
+        deal): built without :meth:`__post_init__`'s checks, which cost more than a small op's
+        share of the transformation itself."""
+        x = object.__new__(cls)
+        for name, value in (("rows", rows), ("values", values), ("num_rows", num_rows), ("shape", shape),
+                            ("dtype", dtype)):
+            object.__setattr__(x, name, value)
+        return x
+
+    def deal(self, parts: int, kind: type[SparseRows] | None = None) -> list[Any]:
         """The rows dealt round-robin: row ``r`` becomes row ``r // parts`` of part ``r % parts``.
 
         A sharded op's chunks. Contiguous ranges would give one shard most of the rows
         of a table whose frequent ids come first (a vocabulary sorted by frequency), and
         its link most of the traffic; dealt rows spread any such skew evenly.
+
+        Args:
+            parts: how many parts.
+            kind: the parts' class (a subclass of :class:`SparseRows`); default this one's.
         """
+        kind = type(self) if kind is None else kind
         if parts == 1:
-            return [self]
+            return [self if type(self) is kind else kind._unchecked(self.rows, self.values, self.num_rows, None,
+                                                                    self.dtype)]
         shard = self.rows % parts
         # Grouped by part, rows ascending within each (a stable sort; radix on small keys).
         order = np.argsort(shard.astype(np.uint16 if parts <= 1 << 16 else np.int64), kind="stable")
@@ -143,9 +163,10 @@ class SparseRows:
         np.cumsum(np.bincount(shard, minlength=parts), out=edges[1:])
         rows = self.rows[order] // parts
         values = self.values.take(order, axis=0)
+        # Each part's rows are increasing and within its row count, as this tensor's are.
         return [
-            SparseRows(rows[edges[k] : edges[k + 1]], values[edges[k] : edges[k + 1]],
-                       (self.num_rows - k + parts - 1) // parts, dtype=self.dtype)
+            kind._unchecked(rows[edges[k] : edges[k + 1]], values[edges[k] : edges[k + 1]],
+                            (self.num_rows - k + parts - 1) // parts, None, self.dtype)
             for k in range(parts)
         ]
 

@@ -434,7 +434,7 @@ class ShardedWorker(SettingsView):
         rows = data.x
         # Shard chunks: each shard's op hands back its rows as received, and they are
         # joined here in one copy (not one per shard and one more here).
-        chunks = [ShardChunk(p.rows, p.values, p.num_rows, dtype=p.dtype) for p in rows.deal(parts)]
+        chunks = rows.deal(parts, ShardChunk)
 
         def finish(results: list[RowPieces]) -> Any:
             joined = RowPieces.join(results, rows.num_rows, rows.shape)

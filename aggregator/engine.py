@@ -2,7 +2,7 @@
 
 :class:`Engine` takes one decoded-or-not message at a time from a peer and
 returns the messages to send. Per op it keeps every worker's next nonzero block
-per active column (``_Stream.nextp``, ranks x the stream's columns that some worker
+per active column (``Stream.nextp``, ranks x the stream's columns that some worker
 still has a block in: built from the STARTs' pointers, so an op costs what its
 nonzero blocks do, not what its columns do); per stream and round it knows from that
 table exactly which workers must send, sums their blocks in rank order once all
@@ -23,15 +23,26 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from aggregator.jobs import Job, Jobs, Refused
 from aggregator.limits import Counters, Limits, RateLimitedLog
+from aggregator.opstate import (
+    EMPTY_INDEX,
+    OpState,
+    Stream,
+    accumulable,
+    check_start_shape,
+    op_params,
+    payload_values,
+    positions,
+    ranks_text,
+    union_sorted,
+)
 from omnireduce import blocks
-from omnireduce.dtypes import DType, from_accumulator, to_accumulator
+from omnireduce.dtypes import DType, from_accumulator
 from omnireduce.errors import ConfigError, OmniReduceError, ProtocolError
 from omnireduce.layout import INF, Layout
 from omnireduce.protocol import (
@@ -55,162 +66,12 @@ __all__ = ["Engine", "Outgoing"]
 
 #: A message to send: the peer's routing id and the frames.
 Outgoing = tuple[bytes, list[Any]]
-_EMPTY_INDEX = np.empty(0, dtype=np.int64)
 _TOMBSTONES = 1024
 # Python objects of one stream and one op beyond their arrays: an estimate for the byte caps.
 _STREAM_OVERHEAD = 512
 _OP_OVERHEAD = 2048
 # Batch recommendations are sent to jobs of at most this many ranks (they ride in a header).
 _MAX_BALANCE_WORLD = 4096
-# Ranks listed in an error's text; the error's ranks field has all of them.
-_RANKS_IN_TEXT = 16
-
-
-def _params(msg: Start) -> tuple[Any, ...]:
-    """What every worker of an op must agree on."""
-    return (
-        msg.world_size, msg.length, msg.dtype, msg.block_size, msg.message_blocks, msg.streams,
-        msg.weight is not None, bool(msg.eager),
-    )
-
-
-@dataclass(slots=True)
-class _Stream:
-    index: int
-    # The stream's columns; ``cols`` the ones still active (some worker has a block in
-    # them), ascending. A column whose instruction is INF never becomes active again,
-    # so a round costs what its active columns do, not what the stream's do.
-    span: slice
-    cols: np.ndarray = field(default_factory=lambda: _EMPTY_INDEX)
-    # nextp[w, j]: worker w's next nonzero block in active column j (INF: none left).
-    nextp: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=np.int64))
-    round: int = 0
-    # The instructed block of every active column.
-    cur: np.ndarray = field(default_factory=lambda: _EMPTY_INDEX)
-    # match[w, j]: worker w must send the block instructed in active column j this round.
-    match: np.ndarray = field(default_factory=lambda: np.empty((0, 0), dtype=bool))
-    expected: set[int] = field(default_factory=set)
-    # Per rank that sent this round: the positions (in ``cur``) of its blocks, and their payload.
-    received: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
-    done: bool = False
-    # Bytes of the received frames kept until the round completes.
-    held: int = 0
-
-    def columns(self, sel: np.ndarray) -> np.ndarray:
-        """The absolute columns of the active columns at positions ``sel``."""
-        return self.cols[sel]
-
-
-@dataclass(slots=True)
-class _Op:
-    job: str
-    op: int
-    world_size: int
-    layout: Layout
-    dtype: DType
-    params: tuple[int, ...]
-    started: float
-    peers: list[bytes | None]
-    # Each rank's START pointers (its first nonzero block per column, the finite ones in
-    # column order) and their columns, until every rank has joined and the streams'
-    # tables are built.
-    starts: list[tuple[np.ndarray, np.ndarray] | None]
-    streams: list[_Stream]
-    streams_left: int
-    generation: int = 0
-    # Bytes counted against the job's and the aggregator's caps (tables + held frames).
-    held: int = 0
-    # Weighted ops: each rank's weight (its sample count); the sums are divided by their total.
-    weights: np.ndarray | None = None
-    # Seconds each rank computed before the op (NaN: not reported), for batch balancing.
-    compute: np.ndarray | None = None
-    # Columns whose table cells (world x 9 bytes each) are held against the caps.
-    reserved_columns: int = 0
-
-
-def _union_sorted(runs: list[np.ndarray]) -> np.ndarray:
-    """The distinct values of ascending arrays, ascending.
-
-    A stable sort merges the sorted runs (NumPy's hash-based ``unique`` took 0.5 ms for
-    5,000 values, five times the whole START).
-    """
-    if not runs:
-        return _EMPTY_INDEX
-    if len(runs) == 1:
-        return runs[0]
-    # Every rank sent the same blocks (every stream of a dense tensor): one compare
-    # pass each instead of a sort of all of them. A copy, not the run itself: the union
-    # is sent to every rank, and a run handed over inproc is a co-located worker's own
-    # index memory, which it may reuse once its own result arrives.
-    first = runs[0]
-    if all(len(r) == len(first) for r in runs) and all(np.array_equal(first, r) for r in runs[1:]):
-        return first.copy()
-    u = np.sort(np.concatenate(runs), kind="stable")
-    if len(u) < 2:
-        return u
-    keep = np.empty(len(u), dtype=np.bool_)
-    keep[0] = True
-    np.not_equal(u[1:], u[:-1], out=keep[1:])
-    return u[keep]
-
-
-def _positions(union: np.ndarray, ptrs: np.ndarray) -> np.ndarray:
-    """Where each of a rank's ascending pointers is in the ascending union that holds them."""
-    if len(ptrs) == len(union):
-        # A subset as long as the set is the set: no binary search per block.
-        return np.arange(len(union))
-    return np.searchsorted(union, ptrs)
-
-
-def _check_start_shape(layout: Layout, msg: Start, body: list[Any]) -> None:
-    """Refuses a START whose frames cannot be what its layout allows (before any is read)."""
-    if msg.eager:
-        if layout.num_blocks > layout.num_columns:
-            # Only where a column holds one block is a rank's first block per column all it sends.
-            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager START for a layout of "
-                                     f"{layout.num_blocks} blocks in {layout.num_columns} columns (more than one row)",
-                                     [msg.rank])
-        count = msg.stream_count or 1
-        if msg.stream is None or msg.stream + count > layout.num_streams:
-            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent an eager START of streams "
-                                     f"{msg.stream}+{count}, not among the op's {layout.num_streams}", [msg.rank])
-        columns = layout.stream_columns(msg.stream + count - 1).stop - layout.stream_columns(msg.stream).start
-    else:
-        if msg.stream is not None or msg.stream_count is not None:
-            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent a START of given streams "
-                                     f"({msg.stream}) for an op that is not eager", [msg.rank])
-        columns = layout.num_columns
-    if len(body) != 1 + bool(msg.eager) or buffer_of(body[0]).nbytes > 8 * columns:
-        blocks_too = " and their blocks" if msg.eager else ""
-        raise Refused.op_failure(ErrorCode.PROTOCOL, f"START from rank {msg.rank} does not carry at most "
-                                 f"{columns} column pointers{blocks_too}", [msg.rank])
-
-
-def _payload(buf: memoryview, dtype: DType, owned: bool) -> np.ndarray:
-    """A received payload's values; writeable only if the message owns its memory (see ``Engine.handle``)."""
-    values = np.frombuffer(buf, dtype=dtype.storage)
-    if not owned and values.flags.writeable:
-        values.flags.writeable = False
-    return values
-
-
-def _accumulable(vals: np.ndarray, dtype: DType, weight: float) -> np.ndarray:
-    """Received values in the accumulator type, times ``weight``; no copy when neither changes them.
-
-    Integers (int64 accumulator) always have weight 1: weighted integer ops are refused at START.
-    """
-    acc_type = dtype.accumulator
-    if vals.dtype != acc_type:
-        vals = to_accumulator(vals, dtype)  # copies even when the types agree: only called when they differ
-    if weight != 1.0:
-        vals = np.multiply(vals, acc_type.type(weight), dtype=acc_type)
-    return vals
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    if len(ranks) <= _RANKS_IN_TEXT:
-        return str(ranks)
-    return f"{ranks[:_RANKS_IN_TEXT]} and {len(ranks) - _RANKS_IN_TEXT} more"
 
 
 class Engine:
@@ -239,7 +100,7 @@ class Engine:
         self._clock = clock
         self.limits = limits or Limits()
         self.counters = Counters()
-        self._ops: dict[tuple[str, int], _Op] = {}
+        self._ops: dict[tuple[str, int], OpState] = {}
         self._jobs = Jobs(self.limits)
         self._failed: OrderedDict[tuple[str, int], tuple[int, ErrorCode, str, list[int]]] = OrderedDict()
         self._log = RateLimitedLog(logger, clock=clock)
@@ -349,7 +210,7 @@ class Engine:
                 missing = sorted({r for s in op.streams if not s.done for r in s.expected - s.received.keys()})
             out += self._fail_op(
                 key, ErrorCode.TIMEOUT,
-                f"op did not complete within {self.timeout:g} s; waiting for ranks {_ranks_text(missing)}", missing,
+                f"op did not complete within {self.timeout:g} s; waiting for ranks {ranks_text(missing)}", missing,
             )
         return out
 
@@ -445,7 +306,7 @@ class Engine:
 
     # Bytes held, against the limits.
 
-    def _hold(self, op: _Op, s: _Stream | None, nbytes: int) -> None:
+    def _hold(self, op: OpState, s: Stream | None, nbytes: int) -> None:
         j = self._jobs[op.job]
         lim = self.limits
         c = self.counters
@@ -462,13 +323,13 @@ class Engine:
         c.held_bytes += nbytes
         c.peak_held_bytes = max(c.peak_held_bytes, c.held_bytes)
 
-    def _unhold(self, op: _Op, s: _Stream) -> None:
+    def _unhold(self, op: OpState, s: Stream) -> None:
         nbytes, s.held = s.held, 0
         op.held -= nbytes
         self._jobs[op.job].held -= nbytes
         self.counters.held_bytes -= nbytes
 
-    def _release(self, op: _Op) -> None:
+    def _release(self, op: OpState) -> None:
         """Gives back everything an op held; it is no longer in flight."""
         j = self._jobs.get(op.job)
         self.counters.held_bytes -= op.held
@@ -482,7 +343,7 @@ class Engine:
         if j is not None:
             self._drop_if_idle(j)
 
-    def _retire(self, op: _Op) -> None:
+    def _retire(self, op: OpState) -> None:
         """Books a completed op, the one place that does: counted, timed, no longer in flight."""
         del self._ops[(op.job, op.op)]
         self.counters.ops_completed += 1
@@ -491,7 +352,7 @@ class Engine:
 
     # Ops.
 
-    def _new_op(self, j: Job, msg: Start, body: list[Any]) -> _Op:
+    def _new_op(self, j: Job, msg: Start, body: list[Any]) -> OpState:
         lim = self.limits
         if msg.world_size != j.world_size:
             raise Refused.op_failure(
@@ -502,7 +363,7 @@ class Engine:
             lost = sorted(j.lost)
             raise Refused.op_failure(
                 ErrorCode.PEER_LOST, f"rank {lost[0]} {j.lost[lost[0]]}"
-                + (f" (ranks {_ranks_text(lost)} are gone)" if len(lost) > 1 else "")
+                + (f" (ranks {ranks_text(lost)} are gone)" if len(lost) > 1 else "")
                 + "; restart the job with a new generation", lost,
             )
         if len(j.ops) >= lim.max_ops_per_job:
@@ -527,16 +388,16 @@ class Engine:
             raise Refused.op_failure(ErrorCode.LIMIT, f"messages of this op would carry up to {message} bytes, above "
                                      f"the limit of {lim.max_message_bytes}; use smaller blocks or fewer blocks per "
                                      "message")
-        _check_start_shape(layout, msg, body)  # before anything is allocated for the op
-        op = _Op(
+        check_start_shape(layout, msg, body)  # before anything is allocated for the op
+        op = OpState(
             job=msg.job, op=msg.op, world_size=msg.world_size, layout=layout, dtype=dtype,
-            params=_params(msg), started=self._clock(), peers=[None] * msg.world_size,
+            params=op_params(msg), started=self._clock(), peers=[None] * msg.world_size,
             starts=[None] * msg.world_size, streams=[], streams_left=layout.num_streams, generation=j.generation,
         )
         self._hold(op, None, layout.num_streams * _STREAM_OVERHEAD + _OP_OVERHEAD)
         j.ops.add(msg.op)
         self._ops[(msg.job, msg.op)] = op
-        op.streams = [_Stream(s, layout.stream_columns(s)) for s in range(layout.num_streams)]
+        op.streams = [Stream(s, layout.stream_columns(s)) for s in range(layout.num_streams)]
         if msg.eager:
             for s in op.streams:
                 s.expected = set(range(op.world_size))
@@ -545,7 +406,7 @@ class Engine:
 
     def _on_start(self, peer: bytes, j: Job, msg: Start, body: list[Any], owned: bool) -> list[Outgoing]:
         key = (msg.job, msg.op)
-        params = _params(msg)
+        params = op_params(msg)
         op = self._ops.get(key)
         if op is None:
             op = self._new_op(j, msg, body)  # checks the START's shape before allocating
@@ -563,11 +424,11 @@ class Engine:
             )
             raise Refused.op_failure(
                 ErrorCode.MISMATCH,
-                f"workers disagree on the op: {diff} (ranks {_ranks_text(groups[0])} vs {_ranks_text(groups[1])})",
+                f"workers disagree on the op: {diff} (ranks {ranks_text(groups[0])} vs {ranks_text(groups[1])})",
                 sorted({*joined, msg.rank}),
             )
         else:
-            _check_start_shape(op.layout, msg, body)
+            check_start_shape(op.layout, msg, body)
         if msg.eager:
             return self._on_eager_start(peer, j, op, msg, body, owned)
         if op.peers[msg.rank] is not None:
@@ -603,7 +464,7 @@ class Engine:
         return out
 
     @staticmethod
-    def _note_weight(op: _Op, msg: Start) -> None:
+    def _note_weight(op: OpState, msg: Start) -> None:
         if msg.weight is not None:
             if op.weights is None:
                 op.weights = np.zeros(op.world_size)
@@ -613,14 +474,14 @@ class Engine:
                 op.compute = np.full(op.world_size, np.nan)
             op.compute[msg.rank] = msg.compute
 
-    def _build_tables(self, op: _Op) -> None:
+    def _build_tables(self, op: OpState) -> None:
         """Every stream's table of next pointers over its active columns, from the STARTs.
 
         Pointers come in column order, and every stream is a contiguous run of columns.
         """
         starts = [p for p in op.starts if p is not None]
         op.starts = [None] * op.world_size
-        union = _union_sorted([c for _, c in starts])
+        union = union_sorted([c for _, c in starts])
         spans = [s.span.start for s in op.streams] + [op.layout.num_columns]
         lo = np.searchsorted(union, spans)
         bounds = [np.searchsorted(c, spans) for _, c in starts]
@@ -636,7 +497,7 @@ class Engine:
                     s.nextp[rank, np.searchsorted(s.cols, c[a:b])] = ptrs[a:b]
 
     def _on_eager_start(
-        self, peer: bytes, j: Job, op: _Op, msg: Start, body: list[Any], owned: bool
+        self, peer: bytes, j: Job, op: OpState, msg: Start, body: list[Any], owned: bool
     ) -> list[Outgoing]:
         """A START of an eager op: the rank's pointers in a run of streams and the blocks at them.
 
@@ -647,7 +508,7 @@ class Engine:
         """
         lay = op.layout
         rank = msg.rank
-        assert msg.stream is not None  # _check_start_shape
+        assert msg.stream is not None  # check_start_shape
         first = msg.stream
         streams = op.streams[first : first + (msg.stream_count or 1)]
         if op.peers[rank] is not None and op.peers[rank] != peer:
@@ -671,11 +532,11 @@ class Engine:
         if buf.nbytes != want:
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent an eager payload of {buf.nbytes} "
                                      f"bytes, expected {want}", [rank])
-        payload = _payload(buf, op.dtype, owned)
+        payload = payload_values(buf, op.dtype, owned)
         # In a one-row layout a pointer is its column: each stream's run of them, by its span.
         cuts = np.searchsorted(ptrs, [s.span.start for s in streams] + [hi_col])
         bs = lay.block_size
-        complete: list[_Stream] = []
+        complete: list[Stream] = []
         for i, s in enumerate(streams):
             a, b = int(cuts[i]), int(cuts[i + 1])
             mine = ptrs[a:b]
@@ -695,7 +556,7 @@ class Engine:
         batches = self._balance(j, op) if complete[0].index == 0 else None
         return self._finish_eager(op, complete, batches)
 
-    def _finish_eager(self, op: _Op, complete: list[_Stream], batches: list[float] | None) -> list[Outgoing]:
+    def _finish_eager(self, op: OpState, complete: list[Stream], batches: list[float] | None) -> list[Outgoing]:
         """Sums the eager streams that every rank has sent and ends them: one RESULT per run of streams.
 
         In a one-row layout block ``c`` is column ``c``'s only block: round 0's
@@ -708,8 +569,8 @@ class Engine:
         parts: list[list[list[Any]]] = [[] for _ in range(op.world_size)]
         for s in complete:
             starts, s.received = s.received, {}
-            cur = s.cur = _union_sorted([starts[r][0] for r in range(op.world_size)])
-            received = {r: (_positions(cur, ptrs), p) for r, (ptrs, p) in starts.items() if len(ptrs)}
+            cur = s.cur = union_sorted([starts[r][0] for r in range(op.world_size)])
+            received = {r: (positions(cur, ptrs), p) for r, (ptrs, p) in starts.items() if len(ptrs)}
             order, groups = self._eager_order(op, received, cur)
             ids = cur
             if order is not None:
@@ -719,7 +580,7 @@ class Engine:
                 received = {r: (inv[sel], p) for r, (sel, p) in received.items()}
                 ids = cur[order]
             summed = self._sum_round(op, received, ids)
-            shared = [cur, _EMPTY_INDEX if order is None else order, groups]
+            shared = [cur, EMPTY_INDEX if order is None else order, groups]
             for rank in range(op.world_size):
                 # Every block before the shared group is whole: positions times the block size.
                 lo_r, hi_r = int(groups[rank]), int(groups[rank + 1])
@@ -750,7 +611,7 @@ class Engine:
         return out
 
     def _eager_order(
-        self, op: _Op, received: dict[int, tuple[np.ndarray, np.ndarray]], cur: np.ndarray
+        self, op: OpState, received: dict[int, tuple[np.ndarray, np.ndarray]], cur: np.ndarray
     ) -> tuple[np.ndarray | None, np.ndarray]:
         """The order an eager stream's sums are sent in, so that no rank is sent its own blocks back.
 
@@ -787,7 +648,7 @@ class Engine:
         return order, np.searchsorted(owner[order], np.arange(world + 1))
 
     def _check_pointers(
-        self, op: _Op, ptrs: np.ndarray, cols: np.ndarray, after: np.ndarray, rank: int
+        self, op: OpState, ptrs: np.ndarray, cols: np.ndarray, after: np.ndarray, rank: int
     ) -> None:
         c = op.layout.num_columns
         finite = ptrs != INF
@@ -797,7 +658,7 @@ class Engine:
         if not ok.all():
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent block pointers outside its columns", [rank])
 
-    def _balance(self, j: Job, op: _Op) -> list[float] | None:
+    def _balance(self, j: Job, op: OpState) -> list[float] | None:
         """The recommended batch per rank, once every rank of a weighted op reported its compute time.
 
         A rank's speed is its samples over its compute seconds; speeds are smoothed
@@ -817,14 +678,14 @@ class Engine:
         return (j.speeds / j.speeds.sum() * op.weights.sum()).tolist()
 
     def _advance(
-        self, op: _Op, s: _Stream, payload: np.ndarray, batches: list[float] | None = None
+        self, op: OpState, s: Stream, payload: np.ndarray, batches: list[float] | None = None
     ) -> list[Outgoing]:
         """Sends the last round's sums and the next instruction, and sets up the next round.
 
         The last round of the op's last stream completes the op (:meth:`_retire`).
         """
         table = s.nextp
-        cur = table.min(axis=0) if len(table) else _EMPTY_INDEX
+        cur = table.min(axis=0) if len(table) else EMPTY_INDEX
         active = cur != INF
         if not active.all():
             keep = np.flatnonzero(active)
@@ -888,7 +749,7 @@ class Engine:
         self._hold(op, s, buf.nbytes + ptrs.nbytes)
         # Read only once the round completes (_advance), after every rank's blocks are in.
         s.nextp[msg.rank, sel] = ptrs
-        s.received[msg.rank] = (sel, _payload(buf, op.dtype, owned))
+        s.received[msg.rank] = (sel, payload_values(buf, op.dtype, owned))
         self.counters.blocks_in += len(sel)
         if len(s.received) < len(s.expected):
             return []
@@ -898,12 +759,14 @@ class Engine:
         self.counters.blocks_out += summed * op.world_size
         return out
 
-    def _complete_round(self, op: _Op, s: _Stream) -> list[Outgoing]:
+    def _complete_round(self, op: OpState, s: Stream) -> list[Outgoing]:
         out = self._sum_round(op, s.received, s.cur)
         s.round += 1
         return self._advance(op, s, out)
 
-    def _sum_round(self, op: _Op, received: dict[int, tuple[np.ndarray, np.ndarray]], ids: np.ndarray) -> np.ndarray:
+    def _sum_round(
+        self, op: OpState, received: dict[int, tuple[np.ndarray, np.ndarray]], ids: np.ndarray
+    ) -> np.ndarray:
         """The payload of the sums of the blocks ``ids``.
 
         Args:
@@ -931,7 +794,7 @@ class Engine:
             # A weighted op sums weight * blocks (a weight of 1 is skipped: plain sums stay bit-identical).
             w = 1.0 if op.weights is None else float(op.weights[rank])
             if aligned and len(sel) == k:
-                vals = _accumulable(payload.reshape(k, b), op.dtype, w)
+                vals = accumulable(payload.reshape(k, b), op.dtype, w)
                 if acc is not None:
                     acc += vals
                 elif first is None:
@@ -950,7 +813,7 @@ class Engine:
                     acc += first
             # Row j of the sums is active column j: a rank's blocks go to the rows it was asked for.
             for sl, view in blocks.split_payload(payload, ids[sel], layout):
-                blocks.add_rows(acc, sel[sl], _accumulable(view, op.dtype, w))
+                blocks.add_rows(acc, sel[sl], accumulable(view, op.dtype, w))
         if acc is None:
             # One whole payload is its own sum. One that may not be written is copied: from
             # an inproc peer (a co-located worker) it is the worker's own input memory, which

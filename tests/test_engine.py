@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from aggregator.engine import Engine, _positions, _union_sorted
+from aggregator.engine import Engine
+from aggregator.opstate import positions, union_sorted
 from omnireduce.dtypes import DType, from_accumulator, to_accumulator
 from omnireduce.errors import ConfigError, OmniReduceError
 from omnireduce.layout import Layout
@@ -235,7 +236,7 @@ def test_inplace_needs_a_writeable_tensor() -> None:
 ])
 def test_the_union_of_ranks_pointers_and_where_each_rank_is_in_it(runs: list[list[int]]) -> None:
     arrays = [np.array(r, np.int64) for r in runs]
-    union = _union_sorted(arrays)
+    union = union_sorted(arrays)
     np.testing.assert_array_equal(union, sorted(set().union(*runs)))
     for a in arrays:
-        np.testing.assert_array_equal(union[_positions(union, a)], a)
+        np.testing.assert_array_equal(union[positions(union, a)], a)

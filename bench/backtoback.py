@@ -8,7 +8,7 @@ default), and sums them over and over with each system in turn: gloo's sparse
 ``all_reduce`` of the COO tensor, and a co-located omnireduce worker's ``allreduce``.
 Nothing else runs between ops (no tensor rebuilt, no barrier), so the figures are
 what one op costs when ops follow each other, as a training step's buckets do:
-wall time per op (the slowest rank's) and CPU per op of each rank (``getrusage``,
+wall time per op (the slowest rank's) and CPU per op of each rank (``time.process_time``:
 every thread of the process). The systems alternate in blocks, ``--rounds`` times.
 
 It prints one JSON line per block and a table at the end. Timings only: the
@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from bench.common import free_port
 
 __all__ = ["main"]
 
@@ -69,11 +69,6 @@ def _gradients(args: argparse.Namespace, rank: int, count: int = 4) -> list[Any]
     return grads
 
 
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def _rank(args: argparse.Namespace, rank: int) -> None:
     import torch
     import torch.distributed as dist
@@ -100,10 +95,10 @@ def _rank(args: argparse.Namespace, rank: int) -> None:
                 for i in range(10):
                     op(grads[i % len(grads)])
                 dist.barrier()
-                cpu0, t0 = _cpu_s(), time.perf_counter()
+                cpu0, t0 = time.process_time(), time.perf_counter()
                 for i in range(args.ops):
                     op(grads[i % len(grads)])
-                wall, cpu = time.perf_counter() - t0, _cpu_s() - cpu0
+                wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
                 blocks.append((system, wall / args.ops * 1e3, cpu / args.ops * 1e3))
         gathered: list[Any] = [None] * args.workers
         dist.all_gather_object(gathered, blocks)
@@ -118,18 +113,12 @@ def _rank(args: argparse.Namespace, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main(argv: list[str] | None = None) -> int:
     if os.environ.get("OMNIREDUCE_B2B_RANK") is not None:
         _rank(parse_args(argv), int(os.environ["OMNIREDUCE_B2B_RANK"]))
         return 0
     args = parse_args(argv)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, "-m", "bench.backtoback", *(argv if argv is not None else sys.argv[1:])]
     procs = [subprocess.Popen(cmd, env={**env, "OMNIREDUCE_B2B_RANK": str(r)},
                               stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True)

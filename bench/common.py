@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import socket
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ __all__ = [
     "format_table",
     "write_outputs",
     "parse_size",
+    "free_port",
     "add_predictions",
     "median_model_error",
 ]
@@ -127,6 +129,13 @@ class RankSpec:
     @classmethod
     def from_json(cls, text: str) -> RankSpec:
         return cls(**json.loads(text))
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a rendezvous store the ranks are told about)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def parse_size(text: str) -> int:

@@ -23,7 +23,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import make_tensor, parse_size
+from bench.common import free_port, make_tensor, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -117,12 +116,6 @@ def run_rank(rank: int, world: int, cfg: dict[str, Any], results: Any) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.device_allreduce", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -153,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     agg.start()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    cfg = {"address": agg.address, "master_port": _free_port(), "device": args.device, "sizes": args.sizes,
+    cfg = {"address": agg.address, "master_port": free_port(), "device": args.device, "sizes": args.sizes,
            "densities": args.densities, "repeats": args.repeats, "warmup": args.warmup, "seed": args.seed}
     procs = [ctx.Process(target=run_rank, args=(r, args.workers, cfg, results)) for r in range(args.workers)]
     rows: list[dict[str, Any]] = []

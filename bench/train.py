@@ -26,7 +26,6 @@ import csv
 import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.common import free_port
 from bench.driver import (
     BenchError,
     Placement,
@@ -53,13 +53,10 @@ __all__ = ["main", "parse_args", "run_world", "summarise", "smoothed", "LOOPBACK
 
 LOOPBACK = "loopback"
 _MASTER_PORT = 29400
+#: A step's per-phase figures: (step event key, summary key, CSV column prefix). "phases": the
+#: slowest rank's seconds; "cpu": the ranks' mean CPU seconds (every thread of the process).
+_PHASED = (("phases", "phases_ms", ""), ("cpu", "cpu_ms", "cpu_"))
 _AGG_PORT = 5555
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_world(
@@ -198,13 +195,11 @@ def summarise(steps: list[dict[str, Any]], params: list[dict[str, Any]], warmup:
             for rival in ("gloo-dense", "gloo-sparse"):
                 if rival in clocks and med > 0:
                     row[f"x_{rival}"] = clocks[rival][0] / med
-            phased = [e["phases"] for e in timed if e.get("phases")]
-            if phased:
-                # Medians of the slowest rank's phases, each on its own (they need not add up to the step's median).
-                row["phases_ms"] = {k: 1e3 * statistics.median(p[k] for p in phased) for k in phased[0]}
-            used = [e["cpu"] for e in timed if e.get("cpu")]
-            if used:
-                row["cpu_ms"] = {k: 1e3 * statistics.median(c[k] for c in used) for k in used[0]}
+            for key, summary_key, _ in _PHASED:
+                phased = [e[key] for e in timed if e.get(key)]
+                if phased:
+                    # Medians of each phase on its own (they need not add up to the step's median).
+                    row[summary_key] = {k: 1e3 * statistics.median(p[k] for p in phased) for k in phased[0]}
             if events[-1].get("paths"):
                 row["paths"] = events[-1]["paths"]
             rows.append(row)
@@ -246,13 +241,15 @@ def _write(out: str, args: argparse.Namespace, steps: list[dict[str, Any]], para
         json.dump({"args": vars(args), **extra, "summary": rows, "params": params, "steps": steps}, f, indent=1)
     fields = ["model", "rate", "workers", "system", "step", "seconds", "loss", "metric", "samples", "bytes_sent",
               "bytes_received", "protocol_bytes_sent", "dense_bytes", "slowest_rank",
-              *(f"{phase}_s" for phase in PHASES), *(f"cpu_{phase}_s" for phase in PHASES)]
+              *(f"{prefix}{phase}_s" for _, _, prefix in _PHASED for phase in PHASES)]
     with open(os.path.join(out, "steps.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        # The slowest rank's phases as columns of their own.
-        writer.writerows({**e, **{f"{k}_s": v for k, v in (e.get("phases") or {}).items()},
-                          **{f"cpu_{k}_s": v for k, v in (e.get("cpu") or {}).items()}} for e in steps)
+        # Each phase's figures as columns of their own.
+        writer.writerows(
+            {**e, **{f"{prefix}{k}_s": v for key, _, prefix in _PHASED for k, v in (e.get(key) or {}).items()}}
+            for e in steps
+        )
     return rows
 
 
@@ -265,8 +262,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         mb = "" if r["link_bytes_per_step"] is None else f"{r['link_bytes_per_step'] / 1e6:.1f}"
         tt = "" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.2f}"
         gap = "" if r["max_abs_param_diff"] is None else f"{r['max_abs_param_diff']:.1e}"
-        phases = "/".join(f"{v:.0f}" for v in r["phases_ms"].values()) if r.get("phases_ms") else ""
-        cpu = "/".join(f"{v:.0f}" for v in r["cpu_ms"].values()) if r.get("cpu_ms") else ""
+        phases, cpu = ("/".join(f"{v:.0f}" for v in (r.get(key) or {}).values()) for _, key, _ in _PHASED)
         lines.append(
             f"{r['model']:6} {r['rate']:8} {r['workers']:>2} {r['system']:22} {1e3 * r['step_s_median']:9.1f} "
             f"{r.get('x_gloo-dense', float('nan')):8.2f} {r.get('x_gloo-sparse', float('nan')):9.2f} {mb:>8} "
@@ -356,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             for model in args.models:
                 for w in args.workers:
                     placement = Placement(aggregators=[("tcp://127.0.0.1:0", [])], rank_prefixes=[[]] * w)
-                    world(model, w, placement, ("127.0.0.1", _free_port()), None)
+                    world(model, w, placement, ("127.0.0.1", free_port()), None)
         else:
             _emulated(args, world, extra)
     except BenchError as e:

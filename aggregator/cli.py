@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import signal
 import time
 from types import FrameType
@@ -73,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.timeout < 0:
-        raise SystemExit("--timeout must be >= 0")
+    if not math.isfinite(args.timeout) or args.timeout < 0:
+        raise SystemExit("--timeout must be a finite number >= 0")
     received: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -24,6 +24,7 @@ Security settings (all optional; see :mod:`omnireduce.auth` and ``omnireduce-key
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -265,6 +266,11 @@ def resolve_heartbeat(heartbeat: float | None, heartbeat_timeout: float | None) 
     """
     interval = resolve(heartbeat, OMNIREDUCE_HEARTBEAT, DEFAULT_HEARTBEAT, float)
     timeout = resolve(heartbeat_timeout, OMNIREDUCE_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, float)
-    if interval < 0 or timeout <= 0:
-        raise ConfigError("heartbeat must be >= 0 and heartbeat_timeout > 0")
+    # Finite and under 2**31 ms: ZeroMQ takes them as int milliseconds.
+    limit = (2**31 - 1) / 1000
+    if not (math.isfinite(interval) and math.isfinite(timeout)) or interval < 0 or timeout <= 0 or max(
+        interval, timeout
+    ) > limit:
+        raise ConfigError(f"heartbeat must be >= 0 and heartbeat_timeout > 0, both finite and at most {limit:g} s; "
+                          f"got {interval!r} and {timeout!r}")
     return interval, timeout

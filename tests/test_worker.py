@@ -104,6 +104,12 @@ def test_closed_worker_raises() -> None:
         (dict(rank=2, world_size=2), "rank 2"),
         (dict(rank=0, world_size=1, block_size=0), "block_size"),
         (dict(rank=0, world_size=1, timeout=-1), "timeout"),
+        # inf / NaN used to pass and kill the communication thread at the first op.
+        (dict(rank=0, world_size=1, timeout=float("inf")), "timeout"),
+        (dict(rank=0, world_size=1, timeout=float("nan")), "timeout"),
+        (dict(rank=0, world_size=1, heartbeat=float("inf")), "heartbeat"),
+        (dict(rank=0, world_size=1, heartbeat_timeout=float("nan")), "heartbeat"),
+        (dict(rank=0, world_size=1, heartbeat_timeout=3e6), "heartbeat"),
         (dict(rank=0, world_size=1, job=""), "job"),
     ],
 )
@@ -247,3 +253,10 @@ def test_refused_calls_and_cancelled_futures_keep_the_ranks_in_step(aggregator: 
 
     for y in run_ranks(2, rank):
         np.testing.assert_array_equal(y, x * 4)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "30"])
+def test_aggregator_refuses_a_timeout_that_would_fail_or_never_end_every_op(timeout) -> None:
+    # 0 used to fail every op at its first expiry check (the CLI's "0 disables" is None here).
+    with pytest.raises(ConfigError, match="timeout"):
+        Aggregator(listen="tcp://127.0.0.1:0", timeout=timeout)

@@ -116,9 +116,10 @@ class Aggregator:
         if context is not None and context.get(zmq.IO_THREADS) != 1:
             # aggregator.connections relies on one I/O thread's order of events and messages.
             raise ConfigError(f"the aggregator needs a context of one I/O thread, got {context.get(zmq.IO_THREADS)}")
+        # Before the context: a bad timeout leaves nothing to tear down.
+        self.engine = Engine(timeout=timeout, limits=self.limits)
         self._own_context = context is None
         self._ctx = context or zmq.Context()
-        self.engine = Engine(timeout=timeout, limits=self.limits)
         self.counters = self.engine.counters
         self._auth: ThreadAuthenticator | None = None
         self._metrics: Any = None

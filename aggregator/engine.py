@@ -20,8 +20,6 @@ an ERROR, never unbounded memory.
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -43,7 +41,7 @@ from aggregator.opstate import (
     ranks_text,
     union_sorted,
 )
-from omnireduce import blocks
+from omnireduce import blocks, config
 from omnireduce.dtypes import DType, from_accumulator
 from omnireduce.errors import ConfigError, OmniReduceError, ProtocolError
 from omnireduce.layout import INF, Layout
@@ -98,8 +96,8 @@ class Engine:
         if not 0.0 <= balance_smoothing < 1.0:
             raise ConfigError(f"balance_smoothing must be in [0, 1), got {balance_smoothing}")
         # A zero, negative or NaN timeout would fail every op at its first expiry check.
-        if timeout is not None and not (isinstance(timeout, numbers.Real) and math.isfinite(timeout) and timeout > 0):
-            raise ConfigError(f"timeout must be a positive number of seconds or None (no timeout), got {timeout!r}")
+        if timeout is not None:
+            config.check_number("timeout", timeout)
         self.balance_smoothing = balance_smoothing
         self.timeout = timeout
         self._clock = clock

@@ -25,6 +25,7 @@ Security settings (all optional; see :mod:`omnireduce.auth` and ``omnireduce-key
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -258,6 +259,28 @@ def split_addresses(value: str | Sequence[str]) -> list[str]:
     return [a.strip() for a in items if a.strip()]
 
 
+_MAX_SOCKET_S = (2**31 - 1) / 1000
+
+
+def check_number(name: str, value: object, positive: bool = True, maximum: float | None = None) -> None:
+    """Refuses anything but a finite real number that is positive (or, if not ``positive``, non-negative).
+
+    Args:
+        name: names the setting in the error.
+        value: the value to check (a bool is refused).
+        positive: zero is refused too.
+        maximum: the largest value allowed, if any.
+
+    Raises:
+        ConfigError: ``value`` is not such a number.
+    """
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0
+            or (positive and value == 0) or (maximum is not None and value > maximum)):
+        most = "" if maximum is None else f" of at most {maximum:g}"
+        raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number{most}, "
+                          f"got {value!r}")
+
+
 def resolve_heartbeat(heartbeat: float | None, heartbeat_timeout: float | None) -> tuple[float, float]:
     """Heartbeat interval and timeout (seconds): explicit, else the environment, else the defaults.
 
@@ -266,11 +289,7 @@ def resolve_heartbeat(heartbeat: float | None, heartbeat_timeout: float | None) 
     """
     interval = resolve(heartbeat, OMNIREDUCE_HEARTBEAT, DEFAULT_HEARTBEAT, float)
     timeout = resolve(heartbeat_timeout, OMNIREDUCE_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, float)
-    # Finite and under 2**31 ms: ZeroMQ takes them as int milliseconds.
-    limit = (2**31 - 1) / 1000
-    if not (math.isfinite(interval) and math.isfinite(timeout)) or interval < 0 or timeout <= 0 or max(
-        interval, timeout
-    ) > limit:
-        raise ConfigError(f"heartbeat must be >= 0 and heartbeat_timeout > 0, both finite and at most {limit:g} s; "
-                          f"got {interval!r} and {timeout!r}")
+    # At most 2**31 - 1 ms: ZeroMQ takes them as int milliseconds.
+    check_number("heartbeat", interval, positive=False, maximum=_MAX_SOCKET_S)
+    check_number("heartbeat_timeout", timeout, maximum=_MAX_SOCKET_S)
     return interval, timeout

@@ -14,7 +14,6 @@ all of which implement :class:`worker.api.Allreducer`.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -195,10 +194,8 @@ class Worker(SettingsView):
                 that is not contiguous, writeable host memory.
         """
         for name, v, positive in (("weight", weight, True), ("compute_time", compute_time, False)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, np.number))
-                                  or not math.isfinite(v) or v < 0 or (positive and v == 0)):
-                raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number, "
-                                  f"got {v!r}")
+            if v is not None:
+                config.check_number(name, v, positive=positive)
         data: CudaOpData | RowsOpData | None = None
         layout: Layout | None = None
         if is_rows(x):

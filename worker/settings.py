@@ -10,7 +10,6 @@ Precedence, for every field: the argument, else its ``OMNIREDUCE_*`` (or torch's
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -106,8 +105,7 @@ class WorkerSettings:
             raise ConfigError(f"token must be at most {MAX_NAME} characters")
         # Not inf or NaN either: the deadline becomes a poll timeout in whole milliseconds,
         # and the communication thread would die converting it.
-        if not math.isfinite(self.timeout) or self.timeout <= 0:
-            raise ConfigError(f"timeout must be a positive finite number of seconds, got {self.timeout}")
+        config.check_number("timeout", self.timeout)
         if self.curve_client_key is not None and self.curve_server_key is None:
             raise ConfigError("curve_client_key needs curve_server_key (the aggregator's public key)")
         Layout(0, self.block_size, self.message_blocks, self.streams)  # validates the three

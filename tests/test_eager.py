@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from typing import Any
@@ -492,3 +493,33 @@ def test_every_rank_gets_the_same_bits_of_a_block_only_one_rank_sent(dtype: DTyp
     signs = np.signbit(outs[0].view(np.int16) if dtype is DType.BFLOAT16 else outs[0])
     # Blocks 0 and 2 keep their -0.0s; in block 1, -0.0 + -0.0 is -0.0 and -0.0 + 0.0 is 0.0.
     assert signs[[0, 2, 5, 9]].all() and not signs[[4, 7]].any()
+
+
+def test_a_finished_stream_refuses_another_result() -> None:
+    """A repeated last RESULT of a stream must not count as another stream's end: the op
+    would then be done with a stream still unsummed."""
+    x = np.arange(1, 65, dtype=np.float32)  # 16 blocks of 4 in 2 columns: several rounds per stream
+    w = WorkerOp("j", 0, 1, 0, x, DType.FLOAT32, Layout(len(x), 4, 1, 2))
+    assert not w.eager
+    engine = Engine()
+    to_agg = [wire(f) for f in w.start()]
+    to_worker: list[list[bytes]] = []
+    repeated = False
+    while to_agg or to_worker:
+        if to_agg:
+            to_worker += [wire(out) for _, out in engine.handle(peer_of(0), to_agg.pop(0))]
+            continue
+        frames = to_worker.pop(0)
+        msg, data = decode(frames)
+        assert isinstance(msg, Result)
+        reply = w.on_result(msg, data)
+        if reply is not None:
+            to_agg.append(wire(reply))
+        elif not repeated:  # this stream's last result: again, as its next round
+            repeated = True
+            assert not w.done
+            again = dataclasses.replace(msg, round=msg.round + 1)
+            with pytest.raises(ProtocolError, match="finished"):
+                w.on_result(*decode(wire(encode(again, np.zeros(0, np.int64), np.zeros(0, np.float32)))))
+    assert repeated and w.done
+    np.testing.assert_array_equal(w.out, x)

@@ -32,7 +32,7 @@ from tests.helpers import make_case, ref_compact, ref_mask, ref_scatter, ref_zer
 SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM", "") not in ("", "0")
 ROOT = Path(__file__).resolve().parent.parent
 #: Kernel tests the simulator child must pass (all tests below but the GPU-only ones).
-MIN_SIMULATED_PASSES = 12
+MIN_SIMULATED_PASSES = 13
 
 
 def _gpu_skip_reason() -> str | None:
@@ -218,6 +218,16 @@ def test_cuda_op_data(cuda, kc, small_launch, dtype) -> None:
     out = data.finish()
     assert same_bits(out.copy_to_host(), expect)
     assert same_bits(d.copy_to_host(), x)  # the input is left alone
+
+
+@on_device
+def test_cuda_op_data_refuses_an_int16_array(cuda, kc) -> None:
+    from worker.cuda import CudaOpData
+
+    # int16 is how the kernels see torch's bfloat16; a numba int16 array holds
+    # integers, which would be summed as bfloat16 bits (2 + 3 -> 0).
+    with pytest.raises(ConfigError, match="CUDA int16 array"):
+        CudaOpData(cuda.to_device(np.array([2, 0, 0, 0], np.int16)), 4)
 
 
 @on_device

@@ -229,6 +229,24 @@ def test_inputs_the_sharded_worker_refuses() -> None:
         assert w.stats.ops == 0
 
 
+def test_an_integer_cuda_tensor_is_refused_before_any_shard_takes_a_part(shards: list[Aggregator],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused up front: with one block over two shards the first part is empty (sent as a
+    host tensor, which a shard takes), and a refusal by the second shard would leave the
+    shards' op numbers apart, the worker broken for good."""
+    torch = pytest.importorskip("torch")
+    from worker import sharded
+
+    # No GPU here: CPU torch tensors stand in for CUDA ones on the sharded path.
+    monkeypatch.setattr(sharded, "is_cuda_tensor", lambda x: isinstance(x, torch.Tensor))
+    assert sharded.shard_bounds(4, 16, 2)[0] == (0, 0)
+    with connect([a.address for a in shards[:2]], rank=0, world_size=1, job="int-cuda", timeout=20, **SMALL) as w:
+        with pytest.raises(ConfigError, match="CUDA torch.int32"):
+            w.allreduce_async(torch.ones(4, dtype=torch.int32))
+        x = np.arange(40, dtype=np.float32)
+        np.testing.assert_array_equal(w.allreduce(x), x)  # still usable
+
+
 def test_closed_shard_fails_the_op_naming_it(shards: list[Aggregator]) -> None:
     addresses = [a.address for a in shards[:2]]
     ws = [connect(addresses, rank=r, world_size=2, job="shard-dies", timeout=3, heartbeat=0.2,

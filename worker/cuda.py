@@ -36,7 +36,7 @@ from worker.tensors import is_torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHUNK_BYTES", "STAGING_SLOTS", "is_cuda_tensor", "CudaOpData", "PinnedPool"]
+__all__ = ["CHUNK_BYTES", "STAGING_SLOTS", "check_cuda_torch_dtype", "is_cuda_tensor", "CudaOpData", "PinnedPool"]
 
 #: Bytes per device-to-host and host-to-device chunk (OmniReduce copies 1 MiB chunks).
 CHUNK_BYTES = 1 << 20
@@ -114,6 +114,19 @@ def _host_view(buf: Any, n: int, dtype: np.dtype) -> np.ndarray:
     return np.asarray(buf)[: n * dtype.itemsize].view(dtype)
 
 
+def check_cuda_torch_dtype(x: Any) -> None:
+    """Refuses a torch CUDA tensor of a type the device path cannot sum.
+
+    Raises:
+        ConfigError: ``x`` is a torch tensor of integers (or bools).
+    """
+    if is_torch(x) and not x.is_floating_point():
+        # Checked before any device work because the kernels see 16-bit integers as
+        # bfloat16 bits: an int16 tensor would otherwise be summed as bfloat16.
+        raise ConfigError(f"allreduce of a CUDA {x.dtype} tensor is not supported: CUDA tensors may be float32, "
+                          "float64, float16 or bfloat16 (integer tensors are summed on the CPU: move it there)")
+
+
 class _Slot:
     """One result staging slot: pinned ids and payload, their device copies, and the event of the last use."""
 
@@ -132,8 +145,9 @@ class CudaOpData:
 
     Args:
         x: a contiguous CUDA tensor (torch, numba, or ``__cuda_array_interface__``),
-            float32, float64, float16 or bfloat16; not modified (threshold 0). Integer
-            tensors are refused: their exact sums run on the CPU path only.
+            float32, float64, float16 or bfloat16 (in a non-torch array: its uint16 bits);
+            not modified (threshold 0). Integer tensors, and int16 non-torch arrays, are
+            refused: their exact sums run on the CPU path only.
         block_size: elements per block.
         threshold: elements with ``|x| <= threshold`` count as zero; a positive one
             zeroes the skipped blocks of ``x`` in place (as OmniReduce does).
@@ -144,11 +158,7 @@ class CudaOpData:
     """
 
     def __init__(self, x: Any, block_size: int, threshold: float = 0.0, chunk_bytes: int = CHUNK_BYTES) -> None:
-        if is_torch(x) and not x.is_floating_point():
-            # Checked here because the device kernels see 16-bit integers as bfloat16
-            # bits: an int16 tensor would otherwise be summed as bfloat16.
-            raise ConfigError(f"allreduce of a CUDA {x.dtype} tensor is not supported: CUDA tensors may be float32, "
-                              "float64, float16 or bfloat16 (integer tensors are summed on the CPU: move it there)")
+        check_cuda_torch_dtype(x)
         from numba import cuda
 
         from omnireduce.kernels import cuda as kc
@@ -157,6 +167,11 @@ class CudaOpData:
         self._kc = kc
         self._x = x
         flat, info = kc.as_device_flat(x)
+        if not is_torch(x) and flat.dtype == np.int16:
+            # The kernels take 16-bit integers as bfloat16 bits (torch's bfloat16 is
+            # viewed as int16 above); from a numba array int16 means integers.
+            raise ConfigError("allreduce of a CUDA int16 array is not supported: integer arrays are summed on the "
+                              "CPU (move it there); bfloat16 bits in a non-torch array must be uint16")
         self._flat_dtype = flat.dtype
         self._shape = tuple(getattr(x, "shape", (flat.shape[0],)))
         self.dtype = _KINDS[info.kind]

@@ -384,6 +384,9 @@ class WorkerOp:
     def _on_stream_result(self, s: int, rnd: int, data: list[Any]) -> list[Any] | None:
         if (self._cur[s] is None or self.eager) and rnd != 0 or rnd != self._rounds[s]:
             raise ProtocolError(f"result for stream {s} round {rnd} out of order (expected round {self._rounds[s]})")
+        if not self.eager and self._cur[s] is not None and len(self._cur[s]) == 0:
+            # Taken, it would count a second end of the stream: the op done with another unsummed.
+            raise ProtocolError(f"result for stream {s} round {rnd} after the stream finished")
         cols = self.layout.stream_columns(s)
         # Only the instructed (finite) pointers are looked at: a round costs what its
         # blocks do, not what the stream's columns do.

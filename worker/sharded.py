@@ -53,7 +53,7 @@ import zmq
 from omnireduce import config
 from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClosedError
 from worker.client import Worker
-from worker.cuda import is_cuda_tensor
+from worker.cuda import check_cuda_torch_dtype, is_cuda_tensor
 from worker.loop import CommLoop
 from worker.op import LAZY_ZEROS_BYTES, check_destination, lazy_zeros, pages_written
 from worker.rows import RowPieces, ShardChunk, SparseRows, is_rows, rows_op_data
@@ -450,6 +450,9 @@ class ShardedWorker(SettingsView):
             )
         if inplace or out is not None:
             raise ConfigError("an in-place allreduce or out= of a CUDA tensor is not supported")
+        # Before any shard takes a part: a chunk left empty goes as a host tensor, which
+        # would be taken, and a refusal by a later shard would break the worker for good.
+        check_cuda_torch_dtype(x)
         import torch
 
         shape = x.shape

@@ -97,8 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", e)
         return 1
     agg.start()
-    while not received:
+    while not received and agg.alive:
         time.sleep(_SIGNAL_POLL_S)
+    if not received:
+        # A daemon that no longer serves must not look healthy to its supervisor.
+        logger.error("the serving loop died (%r): exiting", agg.failure)
+        agg.close()
+        return 1
     logger.info("signal %d: shutting down", received[0])
     agg.close()
     logger.info("completed %d ops, failed %d", agg.engine.ops_completed, agg.engine.ops_failed)

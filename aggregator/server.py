@@ -144,6 +144,8 @@ class Aggregator:
         self.curve = secret is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: What ended the serving loop, if an error did (it logs it too).
+        self.failure: BaseException | None = None
         self._closed = False
         self._serving = False
         # Connection bookkeeping for the monitor (see the module docstring).
@@ -194,9 +196,15 @@ class Aggregator:
     def start(self) -> Aggregator:
         """Serves in a background thread; returns self."""
         self._claim()
-        self._thread = threading.Thread(target=self._serve, name="omnireduce-aggregator", daemon=True)
+        self._thread = threading.Thread(target=self._serve_thread, name="omnireduce-aggregator", daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread of :meth:`start` still serves (False before start, after
+        close, and once an error ended it: see :attr:`failure`)."""
+        return self._thread is not None and self._thread.is_alive() and not self._closed
 
     def serve_forever(self) -> None:
         """Serves in the calling thread until :meth:`close` is called from another thread."""
@@ -353,6 +361,12 @@ class Aggregator:
             raise RuntimeError("aggregator already served or closed")
         self._serving = True
 
+    def _serve_thread(self) -> None:
+        try:
+            self._serve()
+        except Exception:
+            pass  # logged by _serve and kept in self.failure; alive now says so to the owner
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         for sock in (self._sock, self._mon):
@@ -360,8 +374,9 @@ class Aggregator:
         try:
             while not self._stop.is_set():
                 self.serve_step(dict(poller.poll(_POLL_MS)))
-        except Exception:
+        except Exception as e:
             logger.exception("aggregator loop died")
+            self.failure = e
             raise
         finally:
             self._close_sockets()

@@ -112,6 +112,51 @@ def test_attach_to_closed_loop_is_refused(aggregator: Aggregator) -> None:
         Worker(aggregator.address, rank=0, world_size=1, job="closed-loop", loop=loop, **ONE)
 
 
+def test_ops_after_the_shared_loop_closed_fail_instead_of_hanging(aggregator: Aggregator) -> None:
+    loop = CommLoop(name="omnireduce-worker-test")
+    w = Worker(aggregator.address, rank=0, world_size=1, job="loop-closed-under", timeout=10, loop=loop, **ONE)
+    try:
+        np.testing.assert_array_equal(w.allreduce(np.ones(50, np.float32)), np.ones(50, np.float32))
+        loop.close()
+        with pytest.raises(WorkerClosedError, match="shared was closed"):
+            w.allreduce_async(np.ones(50, np.float32))
+    finally:
+        w.close()
+
+
+def test_ops_racing_the_shared_loop_close_all_end(aggregator: Aggregator) -> None:
+    """Every op submitted while the loop closes is refused, answered or failed: none is left waiting."""
+    for attempt in range(5):
+        loop = CommLoop(name="omnireduce-worker-test")
+        w = Worker(aggregator.address, rank=0, world_size=1, job=f"loop-race-{attempt}", timeout=10, loop=loop, **ONE)
+        futures: list[Future] = []
+        stop = threading.Event()
+
+        def submit(w: Worker, futures: list[Future], stop: threading.Event) -> None:
+            while not stop.is_set() and len(futures) < 300:
+                try:
+                    futures.append(w.allreduce_async(np.ones(8, np.float32)))
+                except WorkerClosedError:
+                    return
+
+        t = threading.Thread(target=submit, args=(w, futures, stop))
+        t.start()
+        time.sleep(0.005 * attempt)
+        loop.close()
+        t.join(5)
+        stop.set()
+        t.join()
+        try:
+            assert futures
+            for f in futures:
+                try:
+                    f.result(timeout=5)
+                except WorkerClosedError:
+                    pass
+        finally:
+            w.close()
+
+
 def test_held_wakes_wake_the_loop_once_at_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
     loop = CommLoop(name="held-wakes")
     try:

@@ -305,3 +305,22 @@ def test_bye_leaves_without_counting_as_lost() -> None:
     assert engine.peer_gone(peer_of(0)) == []
     engine.handle(peer_of(1), wire(encode(Bye("j", 1))))
     assert engine.job_info("j") is None  # nobody left: the job (and its token) is forgotten
+
+
+def test_the_daemon_exits_non_zero_when_its_serving_loop_dies(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon whose loop died must exit (for its supervisor to restart it), not sleep on as if healthy."""
+    from aggregator import cli, server
+
+    def broken_step(self: Aggregator, events: Any) -> None:
+        raise RuntimeError("injected serving failure")
+
+    monkeypatch.setattr(server.Aggregator, "serve_step", broken_step)
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)  # the test's thread is not the main one
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(cli.main(["--listen", "tcp://127.0.0.1:0"])), daemon=True)
+    t.start()
+    t.join(15)
+    assert not t.is_alive(), "the daemon kept running after its serving loop died"
+    assert result == [1]
+    assert "injected serving failure" in caplog.text

@@ -124,6 +124,10 @@ class Connection:
         self._sock = transport.new_socket(self._ctx, zmq.DEALER)
         # Queue only on a live connection: a dead one's messages must not reach the next.
         self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        # Never pause reading: with heartbeats on, libzmq 4.3.5 aborts the process when a
+        # heartbeat falls due on a paused connection whose peer left. What arrives is
+        # bounded anyway: the answers to this worker's own ops.
+        self._sock.setsockopt(zmq.RCVHWM, 0)
         transport.set_heartbeats(self._sock, settings.heartbeat, settings.heartbeat_timeout)
         self._mon = transport.watch(self._sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
@@ -170,8 +174,13 @@ class Connection:
             WorkerClosedError: the connection is closed or its thread died.
         """
         with self._lock:
-            if self._closed or self._dead is not None:
-                why = "" if self._dead is None else f" (its communication thread died: {self._dead!r})"
+            if self._closed or self._dead is not None or self._finished.is_set():
+                if self._dead is not None:
+                    why = f" (its communication thread died: {self._dead!r})"
+                elif not self._closed:
+                    why = " (the communication thread it shared was closed)"
+                else:
+                    why = ""
                 raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed{why}") from self._dead
             request.op = next(self._op_counter)
             self._loop.put(self, request)
@@ -241,7 +250,10 @@ class Connection:
                 self._say_bye()
             transport.close_monitored(self._sock, self._mon)
         finally:
-            self._finished.set()
+            # Under the lock: a submission either sees it set, or was queued before it,
+            # where the loop's last drain (CommLoop._fail_queued) fails it.
+            with self._lock:
+                self._finished.set()
 
     def _say_bye(self) -> None:
         try:

@@ -239,6 +239,9 @@ class CommLoop:
                 # Whatever happened above: a service's sockets left open would hang its context's term().
                 for svc in services:
                     _end_quietly(svc)
+                # Requests queued behind the stop, by connections of a shared loop that
+                # were finished above: nothing would ever answer their futures.
+                self._fail_queued(WorkerClosedError("the worker's communication thread is closed"))
             self._wake_recv.close()
             if self._closed_here:
                 self._close_wake_send()
@@ -287,19 +290,23 @@ class CommLoop:
         for ch in channels:
             # Under each connection's lock: no submission can be queued after the drain below.
             ch._mark_dead(error)
+        self._fail_queued(closed)
+        for ch in channels:
+            self._finish(ch, active, poller, bye=False, error=closed)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Empties the queue: fails its op requests with ``error`` and ends its services."""
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                break
+                return
             if item is None or item[1] is None or item[1] is _ATTACH:
                 continue
             if item[1] is _SERVE:
                 _end_quietly(item[0])  # never taken: its sockets are still to close
             else:
-                fail_future(item[1].future, closed)
-        for ch in channels:
-            self._finish(ch, active, poller, bye=False, error=closed)
+                fail_future(item[1].future, error)
 
 
 def _wait_ms(active: list[Connection], services: list[Service]) -> int | None:

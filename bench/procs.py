@@ -179,9 +179,16 @@ def run_rank(spec: RankSpec, rank: int, emit: Callable[[dict[str, Any]], None] =
 
 
 def _close(workers: list[Any], dist: Any) -> None:
+    # Each one closed whatever the others do: one failed close must not leave the rest open.
     for w in workers:
-        w.close()
-    dist.destroy_process_group()
+        try:
+            w.close()
+        except Exception:
+            logger.exception("closing worker %r failed", w)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        logger.exception("destroying the process group failed")
 
 
 def _runner(case: _Case, system: str, worker: Any) -> tuple[Callable[[], Any], Callable[[], None] | None]:

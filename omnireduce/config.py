@@ -281,6 +281,17 @@ def check_number(name: str, value: object, positive: bool = True, maximum: float
                           f"got {value!r}")
 
 
+def check_integer(name: str, value: object) -> int:
+    """``value`` as an int if it is an integer (a NumPy one too; not a bool).
+
+    Raises:
+        ConfigError: ``value`` is not an integer.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
 def resolve_heartbeat(heartbeat: float | None, heartbeat_timeout: float | None) -> tuple[float, float]:
     """Heartbeat interval and timeout (seconds): explicit, else the environment, else the defaults.
 

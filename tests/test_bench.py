@@ -334,3 +334,26 @@ def test_backtoback_rejects_bad_arguments() -> None:
     for bad in (["--workers", "0"], ["--lookups", "0"], ["--zipf", "-1"], ["--systems", "gloo"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_a_failed_worker_close_still_closes_the_rest(caplog: pytest.LogCaptureFixture) -> None:
+    from bench import procs
+
+    closed: list[str] = []
+
+    class Fake:
+        def __init__(self, name: str, fail: bool) -> None:
+            self.name, self.fail = name, fail
+
+        def close(self) -> None:
+            closed.append(self.name)
+            if self.fail:
+                raise RuntimeError(f"{self.name} would not close")
+
+    class FakeDist:
+        def destroy_process_group(self) -> None:
+            closed.append("group")
+
+    procs._close([Fake("a", True), Fake("b", False)], FakeDist())
+    assert closed == ["a", "b", "group"]
+    assert "a would not close" in caplog.text

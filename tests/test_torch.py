@@ -214,3 +214,15 @@ def test_torchrun_example_trains(tmp_path) -> None:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step")]
     assert len(lines) == 2, proc.stdout
     assert "loss" in lines[-1] and "MB dense" in lines[-1]
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, float("nan"), "25"])
+def test_reducer_refuses_a_bad_bucket_cap_as_a_config_error(cap: Any) -> None:
+    import torch
+
+    from omnireduce import ConfigError
+    from worker.reducer import GradientReducer
+
+    # NaN used to pass (every comparison with it is false) and a string raised a raw TypeError.
+    with pytest.raises(ConfigError, match="bucket_cap_mb"):
+        GradientReducer(torch.nn.Linear(2, 2), worker=None, bucket_cap_mb=cap)  # type: ignore[arg-type]

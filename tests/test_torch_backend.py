@@ -150,3 +150,30 @@ def test_collectives_equal_gloo_for_the_dtypes_and_shapes_torch_sends(agg, tmp_p
             torch.testing.assert_close(t, torch.full((3,), 3.0))
             assert size == 2 and job not in (world_job, sub_job)
         torch.testing.assert_close(groups["after_destroy"], torch.full((2,), 3.0))
+
+
+def test_gather_outputs_of_another_dtype_or_size_are_refused() -> None:
+    """Called on the group directly (torch's Python all_gather checks this itself): gathered
+    float32 bytes used to be read as int32 outputs of the same size."""
+    from worker.backend import CollectiveError, OmniReduceProcessGroup
+
+    class NoWorker:
+        job = "none"
+
+        def allreduce_async(self, *args: object, **kwargs: object) -> None:
+            raise AssertionError("refused before any op")
+
+    group = OmniReduceProcessGroup(0, 2, NoWorker())  # type: ignore[arg-type]
+    x = torch.ones(4)
+    for bad in (torch.zeros(4, dtype=torch.int32), torch.zeros(3)):
+        with pytest.raises(CollectiveError, match="does not match"):
+            group.allgather([[torch.zeros(4), bad]], [x])
+        opts = _gather_options(0)
+        with pytest.raises(CollectiveError, match="does not match"):
+            group.gather([[torch.zeros(4), bad]], [x], opts)
+
+
+def _gather_options(root: int) -> object:
+    opts = torch.distributed.GatherOptions()
+    opts.rootRank = root
+    return opts

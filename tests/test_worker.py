@@ -111,6 +111,10 @@ def test_closed_worker_raises() -> None:
         (dict(rank=0, world_size=1, heartbeat_timeout=float("nan")), "heartbeat"),
         (dict(rank=0, world_size=1, heartbeat_timeout=3e6), "heartbeat"),
         (dict(rank=0, world_size=1, job=""), "job"),
+        # A float or string rank used to pass (and reach the aggregator) or raise a raw TypeError.
+        (dict(rank=0.5, world_size=2), "rank must be an integer"),
+        (dict(rank="0", world_size=2), "rank must be an integer"),
+        (dict(rank=0, world_size=2.0), "world_size must be an integer"),
     ],
 )
 def test_bad_config(kwargs, match) -> None:

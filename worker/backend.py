@@ -336,6 +336,15 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     # Collectives built on a sum of bytes.
 
+    @staticmethod
+    def _check_outputs(outs: list[torch.Tensor], t: torch.Tensor, what: str) -> None:
+        """Refuses outputs of another dtype or size than the input (as gloo does): the
+        gathered bytes would otherwise be read as another type, or fail in the Work."""
+        for o in outs:
+            if o.dtype != t.dtype or o.numel() != t.numel():
+                raise CollectiveError(f"{what}: an output of {_describe([o])} does not match the input's "
+                                      f"{_describe([t])}")
+
     def _gather_values(self, t: torch.Tensor) -> tuple[ConcurrentFuture, int]:
         """Starts the sum that gathers every rank's bytes of ``t``; returns it and the bytes per rank."""
         mine = _bytes_of(t)
@@ -365,6 +374,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         for outs, t in zip(output_tensors, input_tensors, strict=True):
             if len(outs) != self._world:
                 raise CollectiveError(f"all_gather needs {self._world} output tensors, got {len(outs)}")
+            self._check_outputs(outs, t, what)
             src, n = self._gather_values(t)
 
             def finish(out: torch.Tensor, outs: list[torch.Tensor] = outs, n: int = n) -> None:
@@ -406,6 +416,9 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         if self._rank == root and (len(output_tensors) != len(input_tensors)
                                    or any(len(outs) != self._world for outs in output_tensors)):
             raise CollectiveError(f"{what}: the root needs {self._world} output tensors per input")
+        if self._rank == root:
+            for outs, t in zip(output_tensors, input_tensors, strict=True):
+                self._check_outputs(outs, t, what)
         parts = []
         for i, t in enumerate(input_tensors):
             src, n = self._gather_values(t)

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 
 import torch
 
+from omnireduce import config
 from omnireduce.errors import OmniReduceError
 from worker.api import Allreducer
 
@@ -50,13 +51,15 @@ class GradientReducer:
         worker: the connected worker of this rank.
         average: divide by the world size (the mean gradient, as DDP computes).
         bucket_cap_mb: bucket size in MiB (DDP's default is 25).
+
+    Raises:
+        ConfigError: ``bucket_cap_mb`` is not a finite positive number.
     """
 
     def __init__(
         self, model: torch.nn.Module, worker: Allreducer, average: bool = True, bucket_cap_mb: float = 25.0
     ) -> None:
-        if bucket_cap_mb <= 0:
-            raise OmniReduceError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        config.check_number("bucket_cap_mb", bucket_cap_mb)
         self.worker = worker
         self.average = average
         self.error: BaseException | None = None

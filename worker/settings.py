@@ -76,8 +76,8 @@ class WorkerSettings:
         """
         heartbeat, heartbeat_timeout = config.resolve_heartbeat(heartbeat, heartbeat_timeout)
         settings = cls(
-            rank=config.resolve(rank, config.RANK, None, int),
-            world_size=config.resolve(world_size, config.WORLD_SIZE, None, int),
+            rank=config.check_integer("rank", config.resolve(rank, config.RANK, None, int)),
+            world_size=config.check_integer("world_size", config.resolve(world_size, config.WORLD_SIZE, None, int)),
             job=config.resolve(job, config.OMNIREDUCE_JOB, config.DEFAULT_JOB, str),
             block_size=config.resolve(block_size, config.OMNIREDUCE_BLOCK_SIZE, config.DEFAULT_BLOCK_SIZE, int),
             message_blocks=config.resolve(

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from omnireduce.config import PROBE_DENSE
+from omnireduce.layout import eager_start_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -309,11 +310,13 @@ def sparse_estimate(
         crit = expected_max_rounds(nb, cols, u) + 1.0  # + round 0 (START and the first instruction)
         per_stream_rounds = expected_max_rounds(nb, cols, u, per_stream) + 1.0
     stream_rounds = nstreams * per_stream_rounds
-    # Messages each way per worker: a stream-round each, except that an eager op's streams
-    # travel in as few STARTs as hold one stream's worth of blocks, and their RESULTs likewise.
-    exchanges = (max(1.0, min(float(nstreams), math.ceil(float(dens.max()) * nb / message_blocks)))
-                 if nb <= cols else stream_rounds)
     block_bytes = block_size * element_size
+    # Messages each way per worker: a stream-round each, except that an eager op's streams
+    # travel in as few STARTs as hold layout.eager_start_blocks, and their RESULTs likewise.
+    most_blocks = float(dens.max()) * nb
+    most = eager_start_blocks(math.ceil(most_blocks), block_bytes, message_blocks)
+    exchanges = (max(1.0, min(float(nstreams), math.ceil(most_blocks / most)))
+                 if nb <= cols else stream_rounds)
     # Worker -> aggregator: own blocks, each with the pointer to its next; START: the first
     # nonzero block of each column that has one (only finite pointers travel).
     sent = dens * size * (1.0 + _INDEX_BYTES / block_bytes) + _INDEX_BYTES * np.minimum(cols, dens * nb)

@@ -523,3 +523,31 @@ def test_a_finished_stream_refuses_another_result() -> None:
                 w.on_result(*decode(wire(encode(again, np.zeros(0, np.int64), np.zeros(0, np.float32)))))
     assert repeated and w.done
     np.testing.assert_array_equal(w.out, x)
+
+
+def test_a_large_eager_payload_goes_in_pieces_that_the_aggregator_answers_as_they_complete() -> None:
+    from omnireduce.layout import EAGER_PIECE_BYTES, EAGER_PIECES, eager_start_blocks
+
+    # Small payloads stay in one message's worth; large ones are cut for pipelining, but
+    # never below EAGER_PIECE_BYTES a piece.
+    assert eager_start_blocks(100, 1024, 8192) >= 100  # one piece
+    assert eager_start_blocks(1024, 1024, 8192) == EAGER_PIECE_BYTES // 1024
+    assert eager_start_blocks(40 * 1024, 1024, 8192) == 40 * 1024 // EAGER_PIECES
+    assert eager_start_blocks(10**6, 1024, 8192) == 8192
+    rng = np.random.default_rng(5)
+    n, bs = 1 << 20, 256  # 4 MiB of float32: 4096 blocks in 8 streams of 512 columns
+    inputs = []
+    for _ in range(3):
+        x = np.zeros(n, np.float32)
+        for b in rng.choice(n // bs, 1600, replace=False):  # ~1.6 MB each, overlapping
+            x[b * bs : (b + 1) * bs] = rng.standard_normal(bs)
+        inputs.append(x)
+    outs, ops, _ = run_allreduce(inputs, DType.FLOAT32, block_size=bs, message_blocks=512, streams=8,
+                                 shuffle=random.Random(2))
+    assert all(w.eager for w in ops)
+    starts = [w.stats.messages_sent for w in ops]
+    # ~200 blocks (200 KiB) per stream: a START per stream, where one message's worth
+    # (512 blocks) would take two streams.
+    assert starts == [8, 8, 8], starts
+    for out in outs:
+        np.testing.assert_array_equal(out, inputs[0] + inputs[1] + inputs[2])

@@ -20,7 +20,7 @@ import numpy as np
 from omnireduce import blocks
 from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError, ProtocolError
-from omnireduce.layout import INF, Layout
+from omnireduce.layout import INF, Layout, eager_start_blocks
 from omnireduce.protocol import (
     Blocks,
     Result,
@@ -255,8 +255,9 @@ class WorkerOp:
         """The START messages (round 0), each a list of frames.
 
         Not eager: one, every column's first nonzero block. Eager: runs of consecutive
-        streams, each with at most ``message_blocks`` blocks (in a one-row layout a
-        block is its column's pointer) and their payload: as few messages as that allows.
+        streams, each with at most :func:`omnireduce.layout.eager_start_blocks` blocks
+        (in a one-row layout a block is its column's pointer) and their payload: as few
+        messages as that allows.
         """
         header = Start(
             self.job, self.rank, self.world_size, self.op, self.layout.length, int(self.dtype),
@@ -273,11 +274,12 @@ class WorkerOp:
         b = self.layout.block_size
         bounds = self._bounds
         nstreams = self.layout.num_streams
+        most = eager_start_blocks(len(self._ids), b * self.dtype.itemsize, self.layout.message_blocks)
         messages = []
         k = 0
         while k < nstreams:
-            # The most consecutive streams whose blocks fit in one stream's worth (a stream always does).
-            end = max(k + 1, int(np.searchsorted(bounds, bounds[k] + self.layout.message_blocks, "right")) - 1)
+            # The most consecutive streams whose blocks fit in ``most`` (a stream always goes).
+            end = max(k + 1, int(np.searchsorted(bounds, bounds[k] + most, "right")) - 1)
             lo, hi = int(bounds[k]), int(bounds[end])
             ids = self._ids[lo:hi]
             header.stream, header.stream_count = k, (end - k if end - k > 1 else None)

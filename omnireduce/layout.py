@@ -28,11 +28,12 @@ EAGER_PIECE_BYTES = 256 << 10
 EAGER_PIECES = 8
 
 
-def eager_start_blocks(blocks: int, block_bytes: int, message_blocks: int) -> int:
+def eager_start_blocks(blocks: int, block_bytes: int, message_blocks: int, pieces: int = EAGER_PIECES) -> int:
     """The most blocks one START of an eager op carries, for a rank sending ``blocks``.
 
     One message's worth (``message_blocks``) at most; within that, the payload is cut
-    in up to EAGER_PIECES pieces of at least EAGER_PIECE_BYTES. The aggregator answers
+    in up to ``pieces`` pieces of at least EAGER_PIECE_BYTES (a shard of a sharded op
+    takes fewer: its op's parts already travel side by side). The aggregator answers
     each run of streams once every rank's part of it is in, so over a link the first
     sums come back while the rest still goes up: with one START per rank, upload and
     download took turns (a dedicated aggregator on 1 Gbit/s links, 2 workers, 100 MB at
@@ -40,7 +41,7 @@ def eager_start_blocks(blocks: int, block_bytes: int, message_blocks: int) -> in
     every message costs the CPU of both ends (on loopback that is all there is).
     """
     floor = max(1, EAGER_PIECE_BYTES // max(1, block_bytes))
-    return max(1, min(message_blocks, max(floor, -(-blocks // EAGER_PIECES))))
+    return max(1, min(message_blocks, max(floor, -(-blocks // max(1, pieces)))))
 
 
 @dataclass(frozen=True, slots=True)

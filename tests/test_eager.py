@@ -551,3 +551,14 @@ def test_a_large_eager_payload_goes_in_pieces_that_the_aggregator_answers_as_the
     assert starts == [8, 8, 8], starts
     for out in outs:
         np.testing.assert_array_equal(out, inputs[0] + inputs[1] + inputs[2])
+
+
+def test_fewer_pieces_mean_fewer_starts() -> None:
+    x = np.zeros(1 << 22, np.float32)
+    x.reshape(-1, 256)[::8] = 1.0  # 2048 of 16384 blocks (2 MiB), 128 in each of 16 streams
+    counts = {}
+    for pieces in (8, 2, 1):
+        w = WorkerOp("j", 0, 2, 0, x, DType.FLOAT32, Layout(len(x), 256, 1024, 16), pieces=pieces)
+        counts[pieces] = len(w.start())
+    # 8 pieces of 256 blocks (two streams each); 2 of 1024, one message's worth, as with 1.
+    assert counts == {8: 8, 2: 2, 1: 2}, counts

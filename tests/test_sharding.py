@@ -452,3 +452,11 @@ def test_an_op_waits_for_the_last_of_its_key_to_choose_alike_on_every_rank(shard
 
     # 3 shards for the first (6400 dense bytes), 1 for the second (a 64-byte union): shard 0 twice.
     assert run_ranks(2, rank) == [[2, 1, 1], [2, 1, 1]]
+
+
+def test_each_shard_cuts_eager_ops_in_its_share_of_the_pieces(shards: list[Aggregator]) -> None:
+    from omnireduce.layout import EAGER_PIECES
+
+    with connect([a.address for a in shards[:2]], rank=0, world_size=1, job="pieces", timeout=20, **SMALL) as w:
+        assert w.settings.eager_pieces == EAGER_PIECES
+        assert [s.settings.eager_pieces for s in w.shards] == [EAGER_PIECES // 2] * 2

@@ -20,7 +20,7 @@ import numpy as np
 from omnireduce import blocks
 from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError, ProtocolError
-from omnireduce.layout import INF, Layout, eager_start_blocks
+from omnireduce.layout import EAGER_PIECES, INF, Layout, eager_start_blocks
 from omnireduce.protocol import (
     Blocks,
     Result,
@@ -170,8 +170,11 @@ class WorkerOp:
         weight: float | None = None,
         compute: float | None = None,
         dense: bool = False,
+        pieces: int = EAGER_PIECES,
     ) -> None:
         self.job = job
+        #: Most STARTs an eager payload is cut in (omnireduce.layout.eager_start_blocks).
+        self.pieces = pieces
         self.rank = rank
         self.world_size = world_size
         self.op = op
@@ -244,7 +247,7 @@ class WorkerOp:
         return cls(
             settings.job, settings.rank, settings.world_size, request.op, request.flat, request.dtype,
             request.layout, inplace=request.inplace, data=request.data, out=request.out, weight=request.weight,
-            compute=request.compute, dense=request.dense,
+            compute=request.compute, dense=request.dense, pieces=settings.eager_pieces,
         )
 
     @property
@@ -274,7 +277,7 @@ class WorkerOp:
         b = self.layout.block_size
         bounds = self._bounds
         nstreams = self.layout.num_streams
-        most = eager_start_blocks(len(self._ids), b * self.dtype.itemsize, self.layout.message_blocks)
+        most = eager_start_blocks(len(self._ids), b * self.dtype.itemsize, self.layout.message_blocks, self.pieces)
         messages = []
         k = 0
         while k < nstreams:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from omnireduce import config
 from omnireduce.errors import ConfigError
-from omnireduce.layout import Layout
+from omnireduce.layout import EAGER_PIECES, Layout
 from omnireduce.protocol import MAX_NAME
 from worker.auto import MODES
 
@@ -44,6 +44,9 @@ class WorkerSettings:
     curve_server_key: str | None
     curve_client_key: str | None
     mode: str
+    #: Most STARTs an eager op's payload is cut in (omnireduce.layout.eager_start_blocks);
+    #: a sharded worker gives each shard its share.
+    eager_pieces: int = EAGER_PIECES
 
     @property
     def curve(self) -> bool:

@@ -39,6 +39,7 @@ shards it goes to).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -201,6 +202,9 @@ class ShardedWorker(SettingsView):
         elif rank is not None or world_size is not None or job is not None or options:
             raise ConfigError("give either settings or the settings' arguments, not both")
         self.settings = settings
+        # Each shard cuts its part of an eager op in its share of the pieces: the parts
+        # already travel side by side, and more messages only cost CPU.
+        shard_settings = dataclasses.replace(settings, eager_pieces=max(1, settings.eager_pieces // len(addresses)))
         self.addresses = tuple(addresses)
         self.address = ",".join(addresses)
         self.shards: list[Worker] = []
@@ -208,7 +212,7 @@ class ShardedWorker(SettingsView):
         self._loop = CommLoop(context, name=f"omnireduce-worker-r{settings.rank}")
         try:
             for a in addresses:
-                self.shards.append(Worker(a, context=context, settings=settings, loop=self._loop))
+                self.shards.append(Worker(a, context=context, settings=shard_settings, loop=self._loop))
         except BaseException:
             for w in self.shards:
                 w.close()

@@ -25,12 +25,13 @@ op, and any tensor of at most ``streams x message_blocks`` blocks) may be *eager
 every column then holds at most one block, so round 0's instruction is exactly each
 worker's own pointers and round 1 would move all of its blocks. A worker then sends
 its streams' pointers and blocks in STARTs of consecutive streams, each holding at most
-one stream's worth of blocks (a sparse tensor: one START; a dense one: one per stream),
-and the aggregator answers each stream, once every worker's START of it is in, with a
-RESULT of round 0 that holds the instruction (the union of the workers' blocks), their
-sums, and ends the stream (streams that complete together share one RESULT): one round
-trip instead of two. A block that only one worker sent
-sums to itself, so that worker is not sent it back (an unweighted op; never the
+one stream's worth of blocks, and a large payload in a few pieces so that the answers
+flow back while the rest goes up (:func:`omnireduce.layout.eager_start_blocks`; a
+dense tensor: one START per stream), and the aggregator answers each stream, once
+every worker's START of it is in, with a RESULT of round 0 that holds the instruction
+(the union of the workers' blocks), their sums, and ends the stream (streams that
+complete together share one RESULT): one round trip instead of two. A block that only
+one worker sent sums to itself, so that worker is not sent it back (an unweighted op; never the
 short last block): the sums are ordered as worker 0's own blocks, worker 1's, ...,
 then the blocks several workers sent, and each worker gets all but its own group::
 

@@ -17,7 +17,9 @@ import numpy as np
 
 from omnireduce.errors import ConfigError
 
-__all__ = ["EAGER_PIECE_BYTES", "EAGER_PIECES", "INF", "MAX_BLOCKS", "Layout", "eager_start_blocks"]
+__all__ = [
+    "EAGER_PIECE_BYTES", "EAGER_PIECES", "INF", "MAX_BLOCKS", "Layout", "eager_start_blocks", "shard_eager_pieces",
+]
 
 #: Sentinel block index: the column (or stream) has no more nonzero blocks.
 INF = np.iinfo(np.int64).max
@@ -26,6 +28,12 @@ MAX_BLOCKS = 1 << 48
 #: An eager op's payload goes in up to EAGER_PIECES STARTs of at least EAGER_PIECE_BYTES.
 EAGER_PIECE_BYTES = 256 << 10
 EAGER_PIECES = 8
+
+
+def shard_eager_pieces(shards: int, pieces: int = EAGER_PIECES) -> int:
+    """Each shard's share of an eager op's pieces when the op is split over ``shards``:
+    its parts already travel side by side, and more messages only cost CPU."""
+    return max(1, pieces // max(1, shards))
 
 
 def eager_start_blocks(blocks: int, block_bytes: int, message_blocks: int, pieces: int = EAGER_PIECES) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from omnireduce.config import PROBE_DENSE
-from omnireduce.layout import eager_start_blocks
+from omnireduce.layout import eager_start_blocks, shard_eager_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -312,10 +312,11 @@ def sparse_estimate(
     stream_rounds = nstreams * per_stream_rounds
     block_bytes = block_size * element_size
     # Messages each way per worker: a stream-round each, except that an eager op's streams
-    # travel in as few STARTs as hold layout.eager_start_blocks, and their RESULTs likewise.
-    most_blocks = float(dens.max()) * nb
-    most = eager_start_blocks(math.ceil(most_blocks), block_bytes, message_blocks)
-    exchanges = (max(1.0, min(float(nstreams), math.ceil(most_blocks / most)))
+    # travel in as few STARTs as hold layout.eager_start_blocks (per shard, in its share
+    # of the pieces), and their RESULTs likewise.
+    shard_blocks = float(dens.max()) * nb / shards
+    most = eager_start_blocks(math.ceil(shard_blocks), block_bytes, message_blocks, shard_eager_pieces(shards))
+    exchanges = (max(1.0, min(float(nstreams), shards * math.ceil(shard_blocks / most)))
                  if nb <= cols else stream_rounds)
     # Worker -> aggregator: own blocks, each with the pointer to its next; START: the first
     # nonzero block of each column that has one (only finite pointers travel).

@@ -53,6 +53,7 @@ import zmq
 
 from omnireduce import config
 from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClosedError
+from omnireduce.layout import shard_eager_pieces
 from worker.client import Worker
 from worker.cuda import check_cuda_torch_dtype, is_cuda_tensor
 from worker.loop import CommLoop
@@ -202,9 +203,9 @@ class ShardedWorker(SettingsView):
         elif rank is not None or world_size is not None or job is not None or options:
             raise ConfigError("give either settings or the settings' arguments, not both")
         self.settings = settings
-        # Each shard cuts its part of an eager op in its share of the pieces: the parts
-        # already travel side by side, and more messages only cost CPU.
-        shard_settings = dataclasses.replace(settings, eager_pieces=max(1, settings.eager_pieces // len(addresses)))
+        # Each shard cuts its part of an eager op in its share of the pieces.
+        shard_settings = dataclasses.replace(
+            settings, eager_pieces=shard_eager_pieces(len(addresses), settings.eager_pieces))
         self.addresses = tuple(addresses)
         self.address = ",".join(addresses)
         self.shards: list[Worker] = []

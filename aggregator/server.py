@@ -2,8 +2,8 @@
 
 Besides moving messages, the socket loop notices workers that go away: the
 socket's monitor reports every closed connection (a killed process closes its
-TCP connection at once; ZeroMQ heartbeats close the connection of a paused or
-unreachable one), and the engine then fails the ops that needed it. The monitor
+TCP connection at once), heartbeats (:mod:`aggregator.liveness`) find a paused or
+unreachable one, and the engine then fails the ops that needed it. The monitor
 names connections by file descriptor, so the loop remembers which connection
 each routing id arrived on (:mod:`aggregator.connections`, which also keeps a closed
 connection's late messages from being taken for those of the next connection on
@@ -25,8 +25,10 @@ import zmq
 from aggregator.connections import Connections, seed_generated_ids
 from aggregator.engine import Engine, Outgoing
 from aggregator.limits import Limits, RateLimitedLog
+from aggregator.liveness import Liveness
 from omnireduce import config, memory, transport
 from omnireduce.errors import ConfigError
+from omnireduce.protocol import Error, ErrorCode, Heartbeat, encode
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
@@ -67,10 +69,11 @@ class Aggregator:
         context: ZeroMQ context to use; a private one by default (CURVE needs its
             authenticator, one per context). It must have one I/O thread (the default).
         limits: caps on jobs, world size, ops in flight, bytes held and message size.
-        heartbeat: seconds between heartbeats on each connection; default
-            ``$OMNIREDUCE_HEARTBEAT``, else 1; 0 turns them off.
-        heartbeat_timeout: seconds without traffic after which a connection is
-            dropped and its worker counted as lost; default
+        heartbeat: seconds without sending to a connection after which it gets a
+            heartbeat; default ``$OMNIREDUCE_HEARTBEAT``, else 1; 0 turns them off (the
+            aggregator then only answers the heartbeats of workers that send them).
+        heartbeat_timeout: seconds without a message from a connection after which it
+            is dropped and its worker counted as lost; default
             ``$OMNIREDUCE_HEARTBEAT_TIMEOUT``, else 5.
         curve_secret_key: the aggregator's ``.key_secret`` file; turns CURVE on.
             Default ``$OMNIREDUCE_CURVE_SECRET_KEY``.
@@ -112,12 +115,16 @@ class Aggregator:
         if not endpoints:
             raise ConfigError("no endpoint to listen on")
         self.heartbeat_timeout = heartbeat_timeout if heartbeat else None
+        # Read and written by the serving thread only.
+        self._liveness = Liveness(heartbeat, heartbeat_timeout) if heartbeat else None
         memory.tune_malloc()
         if context is not None and context.get(zmq.IO_THREADS) != 1:
             # aggregator.connections relies on one I/O thread's order of events and messages.
             raise ConfigError(f"the aggregator needs a context of one I/O thread, got {context.get(zmq.IO_THREADS)}")
         # Before the context: a bad timeout leaves nothing to tear down.
         self.engine = Engine(timeout=timeout, limits=self.limits)
+        # Without heartbeats of its own, the aggregator answers those of the workers that send them.
+        self.engine.answer_heartbeats = not heartbeat
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self.counters = self.engine.counters
@@ -129,7 +136,7 @@ class Aggregator:
         #: Every endpoint bound, as resolved (port 0 replaced by the port chosen).
         self.addresses: list[str] = []
         try:
-            self._configure(heartbeat, heartbeat_timeout, secret, allowed)
+            self._configure(secret, allowed)
             for endpoint in endpoints:
                 self._sock.bind(_bindable(endpoint))
                 self.addresses.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -169,15 +176,14 @@ class Aggregator:
             "omnireduce aggregator listening on %s%s", ", ".join(self.addresses), " (CURVE)" if self.curve else ""
         )
 
-    def _configure(self, heartbeat: float, heartbeat_timeout: float, secret: str | None, allowed: str | None) -> None:
+    def _configure(self, secret: str | None, allowed: str | None) -> None:
         s = self._sock
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.SNDHWM, _SNDHWM)
         # Inbound queues apply back-pressure (nothing is dropped), so this bounds memory safely.
         s.setsockopt(zmq.RCVHWM, self.limits.max_queued_messages)
         s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
-        # The TTL tells each worker to drop the connection too if the aggregator goes silent.
-        transport.set_heartbeats(s, heartbeat, heartbeat_timeout, ttl=True)
+        # No ZeroMQ heartbeats (see omnireduce.protocol.Heartbeat): the loop sends its own.
         self._auth = transport.curve_server(s, secret, allowed)
         self._mon = transport.watch(s, zmq.EVENT_ACCEPTED)
 
@@ -249,7 +255,11 @@ class Aggregator:
     # Everything below runs on the serving thread only.
 
     def _send_all(self, out: list[Outgoing]) -> None:
+        if not out:
+            return
         gone: list[bytes] = []
+        liveness = self._liveness
+        now = time.monotonic()
         for peer, frames in out:
             # Counted before the send: once a worker holds the message, the metric (read from
             # another thread) includes it; a failed send takes it back.
@@ -257,6 +267,8 @@ class Aggregator:
             self.counters.bytes_out += nbytes
             try:
                 self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+                if liveness is not None and peer in liveness.heard:  # not one already forgotten
+                    liveness.told[peer] = now
             except zmq.ZMQError as e:
                 self.counters.bytes_out -= nbytes
                 self.counters.send_failures += 1
@@ -267,14 +279,16 @@ class Aggregator:
                         self._log(logging.INFO, "connection %s is gone (no route on send)", peer.hex())
                         gone.append(peer)
                 else:
-                    # A peer that stopped reading (EAGAIN): its heartbeats or the op's
-                    # timeout deal with it; never stall the other jobs for it.
+                    # A peer that stopped reading (EAGAIN): the heartbeat timeout or the
+                    # op's timeout deal with it; never stall the other jobs for it.
                     self._log(logging.WARNING, "cannot send to connection %s: %s", peer.hex(), e)
         for peer in gone:
             self._lost(peer, "disconnected")
 
     def _lost(self, peer: bytes, reason: str) -> None:
         self._conns.forget(peer)
+        if self._liveness is not None:
+            self._liveness.forget(peer)
         self._send_all(self.engine.peer_gone(peer, reason))
 
     def _track(self, peer: bytes, frame: zmq.Frame) -> bool:
@@ -333,10 +347,22 @@ class Aggregator:
                     self._log(logging.WARNING, "refused a connection: %s (%s)", failure.listener, value)
 
     def _departure_reason(self) -> str:
-        why = "disconnected"
-        if self.heartbeat_timeout is not None:
-            why += f" (connection closed, or no heartbeat for {self.heartbeat_timeout:g} s)"
-        return why
+        return "disconnected (connection closed)"
+
+    def _heartbeats(self, liveness: Liveness, now: float) -> None:
+        """Drops the connections silent past the timeout; sends heartbeats to the idle ones."""
+        silent, idle = liveness.due(now)
+        for peer in silent:
+            why = f"sent nothing for {liveness.timeout:g} s (no heartbeat)"
+            self._log(logging.WARNING, "connection %s %s: dropping it", peer.hex(), why)
+            # It may only be paused: once it reads again, it learns to connect anew.
+            self._send_all([(peer, encode(Error("?", None, ErrorCode.DROPPED, f"the aggregator heard nothing from "
+                                                f"this connection for {liveness.timeout:g} s and dropped it", [])))])
+            if peer in liveness.heard:  # else the send found it gone, and declared it so
+                self._lost(peer, why)
+        if idle:
+            beat = encode(Heartbeat("?"))
+            self._send_all([(peer, beat) for peer in idle])
 
     def _declare_departures(self, drained: bool) -> None:
         """Declares closed connections gone, once their last messages (a BYE) have been read.
@@ -403,6 +429,12 @@ class Aggregator:
 
     def serve_step(self, events: Mapping[Any, int]) -> None:
         """Handles what arrived: ``events`` is the poll's result for :meth:`serve_sockets`."""
+        liveness = self._liveness
+        now = time.monotonic()
+        heard = None
+        if liveness is not None:
+            liveness.resume(now)
+            heard = liveness.heard
         if self._mon in events:
             self._read_monitor()
         counters = self.counters
@@ -424,11 +456,17 @@ class Aggregator:
                     counters.messages_in += 1
                     counters.late_dropped += 1
                     continue
+            if heard is not None:
+                heard[peer] = now
             # A peer with a socket descriptor sent a copy (TCP, IPC); an inproc
             # peer (a co-located worker) handed over its own memory.
             self._send_all(self.engine.handle(peer, frames[1:], owned=conn is not None))
         self._declare_departures(drained)
         self._send_all(self.engine.expire())
+        if liveness is not None:
+            now = time.monotonic()
+            self._heartbeats(liveness, now)
+            liveness.pause(now)
 
     def serve_end(self) -> None:
         """Closes the sockets: called on the thread that served them, when it stops."""

@@ -96,9 +96,10 @@ OMNIREDUCE_COSTS = "OMNIREDUCE_COSTS"
 OMNIREDUCE_TOKEN = "OMNIREDUCE_TOKEN"
 #: The job's generation; raise it when the job's workers restart (torchelastic does).
 OMNIREDUCE_GENERATION = "OMNIREDUCE_GENERATION"
-#: Seconds between ZeroMQ heartbeats on a connection; 0 turns them off.
+#: Seconds without sending on a connection after which a heartbeat goes; 0 turns them off
+#: (that end then only answers the other's).
 OMNIREDUCE_HEARTBEAT = "OMNIREDUCE_HEARTBEAT"
-#: Seconds without any traffic after which a connection is dropped as dead.
+#: Seconds without any message from the peer after which a connection is dropped as dead.
 OMNIREDUCE_HEARTBEAT_TIMEOUT = "OMNIREDUCE_HEARTBEAT_TIMEOUT"
 #: Worker: the aggregator's CURVE public key (``.key`` file or Z85 text).
 OMNIREDUCE_CURVE_SERVER_KEY = "OMNIREDUCE_CURVE_SERVER_KEY"

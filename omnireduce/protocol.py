@@ -9,8 +9,10 @@ peer's routing id, which is not part of what this module encodes.
 A worker's connection first says who it is (HELLO: job, rank, world size,
 generation, job token); the aggregator binds the connection to that rank of that
 job and answers only if it refuses (ERROR); BYE says it leaves on purpose (a
-connection that closes without it counts as lost). Then, per op (job id + op
-number) and stream::
+connection that closes without it counts as lost). Either end sends a HEARTBEAT when
+it has sent nothing else for a while; a connection silent for too long counts as lost
+(the aggregator tells the worker with an ERROR of code DROPPED). Then, per op (job id +
+op number) and stream::
 
     worker                                   aggregator
       START   (first nonzero block of every column)  ->   round 0: pointers only
@@ -69,6 +71,7 @@ __all__ = [
     "Blocks",
     "Result",
     "Error",
+    "Heartbeat",
     "Message",
     "encode",
     "decode",
@@ -94,7 +97,8 @@ assert sys.byteorder == "little", "omnireduce's wire format assumes a little-end
 #: one message's worth of blocks; RESULTs of eager streams that complete together are merged.
 #: 6: a sharded rows op deals rows to the shards round-robin (row r to shard r % S) instead of
 #: in ranges: the messages are the same, but a shard of 5 would sum other rows than one of 6.
-PROTOCOL_VERSION = 6
+#: 7: HEARTBEAT messages (instead of ZeroMQ's heartbeats) and the DROPPED error code.
+PROTOCOL_VERSION = 7
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
 MAX_HEADER_BYTES = 4096
@@ -116,6 +120,7 @@ class MsgType(IntEnum):
     ERROR = 4
     HELLO = 5
     BYE = 6
+    HEARTBEAT = 7
 
 
 class ErrorCode(IntEnum):
@@ -134,6 +139,9 @@ class ErrorCode(IntEnum):
     PEER_LOST = 8
     #: The job was restarted with a newer generation.
     STALE = 9
+    #: The aggregator heard nothing from this connection for its heartbeat timeout and
+    #: dropped it (op None): the worker's ops on it failed; it connects anew for the next ones.
+    DROPPED = 10
 
 
 @dataclass(slots=True)
@@ -260,8 +268,25 @@ class Bye:
     rank: int
 
 
-Message = Hello | Bye | Start | Blocks | Result | Error
-_CLASSES: dict[int, type] = {c.TYPE: c for c in (Hello, Bye, Start, Blocks, Result, Error)}
+@dataclass(slots=True)
+class Heartbeat:
+    """A connection's sign of life, either way, sent when it has sent nothing else for a while.
+
+    ZeroMQ's own heartbeats are left off: with them, libzmq 4.3.5 aborts the process when
+    a heartbeat falls due on a connection whose reading is paused (back-pressure) and
+    whose peer has left. An end with heartbeats on sends one after ``interval`` seconds
+    without sending anything, and counts its peer as lost after ``timeout`` seconds
+    without receiving anything; an end with heartbeats off answers each one it receives,
+    so that a peer with heartbeats on hears it. ``job`` is the worker's job, or ``"?"``
+    from the aggregator (a heartbeat is about the connection, not a job). No frames.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
+    job: str
+
+
+Message = Hello | Bye | Start | Blocks | Result | Error | Heartbeat
+_CLASSES: dict[int, type] = {c.TYPE: c for c in (Hello, Bye, Start, Blocks, Result, Error, Heartbeat)}
 _FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {
     c: tuple((f.name, f.type) for f in fields(c)) for c in _CLASSES.values()
 }

@@ -1,12 +1,10 @@
-"""The ZeroMQ plumbing both sides share: socket options, CURVE, heartbeats, monitors, teardown.
+"""The ZeroMQ plumbing both sides share: socket options, CURVE, monitors, teardown.
 
 The aggregator binds a ROUTER socket and every worker connects a DEALER; both set
 their sockets up and take them down the same way:
 
 - :func:`new_socket`: a socket that drops unsent messages when closed (``LINGER`` 0),
   so closing never waits for a peer that is gone;
-- :func:`set_heartbeats`: ZeroMQ heartbeats, which close the connection of a peer
-  that went silent (and, from the aggregator, tell each worker to do the same);
 - :func:`curve_server` and :func:`curve_client`: CURVE encryption and key
   authentication, by way of :mod:`omnireduce.auth`;
 - :func:`watch`, :func:`monitor_events` and :data:`HANDSHAKE_FAILURES`: the
@@ -36,15 +34,8 @@ __all__ = [
     "frames_nbytes",
     "monitor_events",
     "new_socket",
-    "set_heartbeats",
     "watch",
 ]
-
-# ZeroMQ's largest heartbeat TTL (it travels in deciseconds, in 16 bits).
-_MAX_TTL_MS = 6_553_000
-# The smallest TTL ZeroMQ honours.
-_MIN_TTL_MS = 100
-
 
 class HandshakeFailure(NamedTuple):
     """Why a connection's handshake failed, as each end tells it."""
@@ -91,24 +82,6 @@ def new_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     return sock
-
-
-def set_heartbeats(sock: zmq.Socket, interval: float, timeout: float, *, ttl: bool = False) -> None:
-    """Turns ZeroMQ heartbeats on: a connection silent for ``timeout`` seconds is closed.
-
-    Args:
-        sock: the socket, before it binds or connects.
-        interval: seconds between heartbeats; 0 leaves them off.
-        timeout: seconds without traffic after which the connection is dropped.
-        ttl: also tell the peers to drop the connection after ``timeout`` without
-            traffic from this end (the aggregator does, so workers notice its silence).
-    """
-    if not interval:
-        return
-    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval * 1000)))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout * 1000)))
-    if ttl:
-        sock.setsockopt(zmq.HEARTBEAT_TTL, min(_MAX_TTL_MS, max(_MIN_TTL_MS, int(timeout * 1000))))
 
 
 def curve_server(

@@ -12,7 +12,8 @@ executes one JSON command per stdin line, answering one JSON line each:
   ``{"hanging": true}``; the process is meant to be killed there (mid-op).
 - ``{"cmd": "exit"}``.
 
-The test process sends the signals (SIGKILL, SIGSTOP, SIGCONT) itself.
+The test process sends the signals (SIGKILL, SIGSTOP, SIGCONT) itself, to these
+workers and to the daemon processes of :func:`start_daemon`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +43,21 @@ def tensor(seed: int, rank: int, n: int) -> np.ndarray:
 
 def expected(seed: int, world: int, n: int) -> np.ndarray:
     return sum(tensor(seed, r, n) for r in range(world))
+
+
+def start_daemon(listen: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """``omnireduce-aggregator --listen LISTEN ARGS...`` as a process; returns it and the address
+    it listens on (port 0 resolved) once it says so."""
+    exe = shutil.which("omnireduce-aggregator", path=os.path.dirname(sys.executable))
+    assert exe, "the omnireduce-aggregator console script is not installed"
+    proc = subprocess.Popen([exe, "--listen", listen, *args], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        m = re.search(r"listening on (tcp://127\.0\.0\.1:\d+)", line)
+        if m:
+            threading.Thread(target=lambda: proc.stderr.read(), daemon=True).start()  # type: ignore[union-attr]
+            return proc, m.group(1)
+    raise AssertionError(f"daemon exited with {proc.wait()} before listening")
 
 
 class Proc:

@@ -14,6 +14,7 @@ from omnireduce.protocol import (
     Bye,
     Error,
     ErrorCode,
+    Heartbeat,
     Hello,
     MsgType,
     Result,
@@ -44,6 +45,9 @@ MESSAGES = [
     Error("j", None, int(ErrorCode.TIMEOUT), "late", [1, 2]),
     Error("j", 5, int(ErrorCode.MISMATCH), "length differs", []),
     Error("job-b", 3, int(ErrorCode.STALE), "generation 1 < 2", [0]),
+    Error("?", None, int(ErrorCode.DROPPED), "silent for 5 s", []),
+    Heartbeat("job-a"),
+    Heartbeat("?"),
 ]
 
 

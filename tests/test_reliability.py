@@ -11,12 +11,8 @@ are loose because this machine is shared and noisy.
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +24,7 @@ import pytest
 from aggregator import Aggregator, Engine
 from omnireduce.errors import ConnectionLostError, OpTimeoutError, PeerLostError, StaleGenerationError
 from omnireduce.protocol import Bye, ErrorCode, Hello, encode
-from tests.faults import Proc, expected, tensor
+from tests.faults import Proc, expected, start_daemon, tensor
 from tests.helpers import error_replies, peer_of, start_frames, wire
 from worker import Worker
 
@@ -214,19 +210,7 @@ def test_restarted_generation_fails_the_old_ones_ops() -> None:
 
 
 def _daemon(listen: str) -> tuple[subprocess.Popen, str]:
-    exe = shutil.which("omnireduce-aggregator", path=os.path.dirname(sys.executable))
-    assert exe, "the omnireduce-aggregator console script is not installed"
-    proc = subprocess.Popen(
-        [exe, "--listen", listen, "--timeout", "20", "--heartbeat", str(HB), "--heartbeat-timeout", str(HB_TIMEOUT)],
-        stderr=subprocess.PIPE, text=True,
-    )
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        m = re.search(r"listening on (tcp://127\.0\.0\.1:\d+)", line)
-        if m:
-            threading.Thread(target=lambda: proc.stderr.read(), daemon=True).start()  # type: ignore[union-attr]
-            return proc, m.group(1)
-    raise AssertionError(f"daemon exited with {proc.wait()} before listening")
+    return start_daemon(listen, "--timeout", "20", "--heartbeat", str(HB), "--heartbeat-timeout", str(HB_TIMEOUT))
 
 
 @pytest.fixture

@@ -13,6 +13,13 @@ messages waiting for it; a lost connection fails the ops in flight at once
 (their state died with the connection) and ZeroMQ reconnects for the next ones.
 The socket queues messages only on a live connection (``zmq.IMMEDIATE``), so
 nothing of a dead connection reaches the next one ahead of its HELLO.
+
+Heartbeats (:class:`omnireduce.protocol.Heartbeat`; ZeroMQ's own are off) find an
+aggregator that is paused or unreachable: the thread sends one after ``heartbeat``
+seconds without sending anything, and counts the connection as lost after
+``heartbeat_timeout`` seconds without hearing anything, or when the aggregator says
+it dropped the connection (an ERROR of code DROPPED, after this worker was silent,
+e.g. paused); the socket is then replaced by a new one, which connects anew.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from omnireduce.protocol import (
     Bye,
     Error,
     ErrorCode,
+    Heartbeat,
     Hello,
     Result,
     decode,
@@ -75,6 +83,9 @@ _ERRORS: dict[int, type[OpError]] = {
 _REFUSALS = frozenset({ErrorCode.AUTH, ErrorCode.LIMIT, ErrorCode.MISMATCH, ErrorCode.STALE})
 # How long closing waits for BYE to leave, so the aggregator does not count the rank as lost.
 _BYE_LINGER_MS = 500
+# The thread looks at heartbeats at least every interval: back after this long (at least),
+# it was itself stalled (paused, starved), and the aggregator's silence is not the aggregator's.
+_MIN_STALL_S = 0.5
 
 
 @dataclass(slots=True)
@@ -119,25 +130,15 @@ class Connection:
         memory.tune_malloc()
         self._hello = encode(Hello(settings.job, settings.rank, settings.world_size, settings.generation,
                                    settings.token))
+        self._heartbeat = encode(Heartbeat(settings.job))
         self._own_context = context is None
         self._ctx = context or zmq.Context()
-        self._sock = transport.new_socket(self._ctx, zmq.DEALER)
-        # Queue only on a live connection: a dead one's messages must not reach the next.
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        # Never pause reading: with heartbeats on, libzmq 4.3.5 aborts the process when a
-        # heartbeat falls due on a paused connection whose peer left. What arrives is
-        # bounded anyway: the answers to this worker's own ops.
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        transport.set_heartbeats(self._sock, settings.heartbeat, settings.heartbeat_timeout)
-        self._mon = transport.watch(self._sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
-            transport.curve_client(self._sock, settings.curve_server_key, settings.curve_client_key)
-            self._sock.connect(address)
-        except (zmq.ZMQError, ConfigError) as e:
-            self._close_sockets()
-            if isinstance(e, ConfigError):
-                raise
-            raise ConfigError(f"cannot connect to aggregator address {address!r}: {e}") from None
+            self._sock, self._mon = self._open_socket()
+        except ConfigError:
+            if self._own_context:
+                self._ctx.term()
+            raise
         self._op_counter = itertools.count()
         # Guards the op numbers, the queue's order and the closed/dead state together.
         self._lock = threading.Lock()
@@ -153,6 +154,14 @@ class Connection:
         # Set when the aggregator refused this connection's HELLO: new ops fail with it.
         self._refused: OpError | None = None
         self._handshake_failures = 0
+        # Heartbeats: when the thread last heard from the aggregator, sent to it, and looked;
+        # and whether the socket is to be replaced (the connection counted as lost).
+        self._hb = settings.heartbeat
+        self._hb_timeout = settings.heartbeat_timeout
+        self._stall = max(2 * self._hb, _MIN_STALL_S)
+        now = time.monotonic()
+        self._heard = self._sent = self._looked = now
+        self._renew = False
         self._own_loop = loop is None
         self._loop = loop if loop is not None else CommLoop(self._ctx, name=f"omnireduce-worker-r{self.rank}")
         try:
@@ -212,6 +221,29 @@ class Connection:
         if self._own_context and self._finished.is_set():
             self._ctx.term()
 
+    def _open_socket(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """A new DEALER connecting to the aggregator, and its monitor.
+
+        Raises:
+            ConfigError: the address or the CURVE keys are unusable.
+        """
+        sock = transport.new_socket(self._ctx, zmq.DEALER)
+        # Queue only on a live connection: a dead one's messages must not reach the next.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        # Never pause reading: what arrives is bounded anyway (the answers to this worker's
+        # own ops), and a paused connection is where libzmq's heartbeats once aborted.
+        sock.setsockopt(zmq.RCVHWM, 0)
+        mon = transport.watch(sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            transport.curve_client(sock, self.settings.curve_server_key, self.settings.curve_client_key)
+            sock.connect(self.address)
+        except (zmq.ZMQError, ConfigError) as e:
+            transport.close_monitored(sock, mon)
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"cannot connect to aggregator address {self.address!r}: {e}") from None
+        return sock, mon
+
     def _close_sockets(self) -> None:
         transport.close_monitored(self._sock, self._mon)
         if self._own_context:
@@ -223,14 +255,37 @@ class Connection:
         if self.address.startswith("inproc://"):
             # An inproc peer has no handshake (so no monitor event) to wait for: it is
             # there from connect on, and gone only with the process.
-            self._connected = True
-            self._outbox.appendleft((None, self._hello))
+            self._on_connected()
+
+    def _on_connected(self) -> None:
+        self._connected = True
+        self._refused = None
+        self._handshake_failures = 0
+        self._heard = self._sent = time.monotonic()
+        # Every connection starts with HELLO, ahead of anything queued.
+        self._outbox.appendleft((None, self._hello))
 
     def _poll_out(self, poller: zmq.Poller) -> None:
+        if self._renew:
+            self._renew_socket(poller)
         writable = self._connected and bool(self._outbox)
         if writable != self._polling_out:
             poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if writable else 0))
             self._polling_out = writable
+
+    def _renew_socket(self, poller: zmq.Poller) -> None:
+        """Replaces the socket of a connection counted as lost: ZeroMQ would keep the old
+        TCP connection, which the aggregator dropped (or which leads nowhere)."""
+        self._renew = False
+        poller.unregister(self._sock)
+        poller.unregister(self._mon)
+        transport.close_monitored(self._sock, self._mon)
+        self._sock, self._mon = self._open_socket()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._mon, zmq.POLLIN)
+        self._polling_out = False
+        logger.info("worker rank %d of job %r: connecting anew to %s", self.rank, self.job, self.address)
+        self._on_attach()
 
     def _mark_dead(self, error: BaseException) -> None:
         with self._lock:
@@ -263,28 +318,64 @@ class Connection:
             logger.debug("worker rank %d of job %r: no BYE sent: %s", self.rank, self.job, e)
 
     def _wait_ms(self) -> int | None:
-        if not self._pending:
+        deadlines = []
+        if self._pending:
+            deadlines.append(min(p.last_heard for p in self._pending.values()) + self.timeout)
+        if self._hb and self._connected:
+            deadlines.append(self._heard + self._hb_timeout)
+            if not self._outbox:  # else the socket is backed up, and messages wait to go anyway
+                deadlines.append(self._sent + self._hb)
+        if not deadlines:
             return None
-        deadline = min(p.last_heard for p in self._pending.values()) + self.timeout
-        return max(0, int((deadline - time.monotonic()) * 1000) + 1)
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
 
     def _post(self, op: int | None, frames: list[Any]) -> None:
         """Sends now if the connection is up and has room, else queues in order."""
         if self._connected and not self._outbox:
             try:
                 self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                self._sent = time.monotonic()
                 return
             except zmq.Again:
                 pass
         self._outbox.append((op, frames))
 
     def _flush(self) -> None:
+        sent = False
         while self._connected and self._outbox:
             try:
                 self._sock.send_multipart(self._outbox[0][1], copy=False, flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             self._outbox.popleft()
+            sent = True
+        if sent:
+            self._sent = time.monotonic()
+
+    def _beat(self) -> None:
+        """Sends a heartbeat, unless the socket is backed up (then the aggregator hears the rest)."""
+        if self._connected and not self._outbox:
+            try:
+                self._sock.send_multipart(self._heartbeat, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # tried again an interval on: the socket is full of what this worker sent
+            self._sent = time.monotonic()
+
+    def _connection_lost(self, why: str, renew: bool) -> None:
+        """Fails the ops in flight on a connection that is gone; ``renew``: replace the socket
+        (ZeroMQ reconnects by itself only where the TCP connection closed)."""
+        was, self._connected = self._connected, False
+        self._renew = self._renew or renew
+        # HELLO and messages of the lost ops must not go out on the next connection.
+        self._outbox = collections.deque(item for item in self._outbox if item[0] is not None)
+        if not was:
+            return
+        pending = self._pending
+        logger.warning("worker rank %d of job %r: %s; failing ops %s", self.rank, self.job, why, sorted(pending))
+        for op in list(pending):
+            self._drop(op, ConnectionLostError(
+                f"{why}; the op's state is gone (new ops use a new connection)", job=self.job, op=op,
+            ))
 
     def _drop(self, op: int, error: BaseException) -> None:
         """Fails a pending op and forgets its queued messages."""
@@ -299,25 +390,9 @@ class Connection:
         for kind, _ in transport.monitor_events(self._mon):
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 logger.info("worker rank %d of job %r: connected to %s", self.rank, self.job, self.address)
-                self._connected = True
-                self._refused = None
-                self._handshake_failures = 0
-                # Every connection starts with HELLO, ahead of anything queued.
-                self._outbox.appendleft((None, self._hello))
+                self._on_connected()
             elif kind == zmq.EVENT_DISCONNECTED:
-                was, self._connected = self._connected, False
-                # HELLO and messages of the lost ops must not go out on the next connection.
-                self._outbox = collections.deque(item for item in self._outbox if item[0] is not None)
-                if was:
-                    logger.warning(
-                        "worker rank %d of job %r: lost the connection to %s; failing ops %s",
-                        self.rank, self.job, self.address, sorted(pending),
-                    )
-                    for op in list(pending):
-                        self._drop(op, ConnectionLostError(
-                            f"lost the connection to the aggregator at {self.address}; the op's state is gone "
-                            "(ZeroMQ reconnects for new ops)", job=self.job, op=op,
-                        ))
+                self._connection_lost(f"lost the connection to the aggregator at {self.address}", renew=False)
             elif kind in transport.HANDSHAKE_FAILURES:
                 self._connected = False
                 self._handshake_failures += 1
@@ -364,17 +439,22 @@ class Connection:
 
     def _receive(self) -> None:
         pending = self._pending
-        while True:
+        while not self._renew:  # a dropped connection's later messages are of its lost ops
             try:
                 frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self._heard = time.monotonic()
             try:
                 msg, body = decode(frames, max_header_bytes=MAX_ERROR_HEADER_BYTES)
             except ProtocolError as e:
                 logger.error(
                     "worker rank %d of job %r: undecodable message from the aggregator: %s", self.rank, self.job, e
                 )
+                continue
+            if isinstance(msg, Heartbeat):
+                if not self._hb:  # with heartbeats of its own, the worker's next one answers
+                    self._beat()
                 continue
             if msg.job != self.job and not (isinstance(msg, Error) and msg.job == "?"):
                 logger.warning("worker rank %d of job %r: message for job %r ignored", self.rank, self.job, msg.job)
@@ -428,6 +508,10 @@ class Connection:
 
     def _on_error(self, msg: Error) -> None:
         pending = self._pending
+        if msg.code == ErrorCode.DROPPED:
+            self._connection_lost(f"the aggregator at {self.address} dropped the connection ({msg.message})",
+                                  renew=True)
+            return
         cls = _ERRORS.get(msg.code, AggregatorError)
         if msg.op is None:
             logger.error("worker rank %d of job %r: the aggregator refused: %s", self.rank, self.job, msg.message)
@@ -448,6 +532,8 @@ class Connection:
     def _expire(self) -> None:
         pending = self._pending
         now = time.monotonic()
+        if self._hb and self._connected:
+            self._check_heartbeats(now)
         for op, p in list(pending.items()):
             if now - p.last_heard > self.timeout:
                 how = "" if self._connected else " (no connection to it)"
@@ -455,3 +541,16 @@ class Connection:
                     f"no answer from the aggregator at {self.address} for {self.timeout:g} s{how}", job=self.job, op=op,
                 ))
 
+    def _check_heartbeats(self, now: float) -> None:
+        if now - self._looked > self._stall:
+            # This thread did not run for a while: the aggregator's messages since then are
+            # unread, so its silence starts again now.
+            self._heard = max(self._heard, now)
+        self._looked = now
+        if now - self._heard > self._hb_timeout:
+            self._connection_lost(
+                f"heard nothing from the aggregator at {self.address} for {self._hb_timeout:g} s (no heartbeat)",
+                renew=True,
+            )
+        elif now - self._sent > self._hb:
+            self._beat()

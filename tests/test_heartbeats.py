@@ -1,0 +1,218 @@
+"""Heartbeats: the protocol's own (omnireduce.protocol.Heartbeat), ZeroMQ's left off.
+
+What they must do: an idle connection stays up whichever end has them on; a paused
+aggregator fails the workers' ops in flight within the heartbeat timeout and they work
+again once it resumes; a silent connection is dropped and told so; and the daemon
+survives what once aborted it (libzmq 4.3.5's heartbeats on a connection paused by
+back-pressure whose peer left).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import zmq
+
+from aggregator import Aggregator
+from aggregator.liveness import Liveness
+from omnireduce.errors import ConnectionLostError
+from omnireduce.protocol import MAX_ERROR_HEADER_BYTES, Error, ErrorCode, Heartbeat, Hello, decode, encode
+from tests.faults import start_daemon
+from tests.helpers import run_ranks
+from worker import Worker
+
+HB, HB_TIMEOUT = 0.2, 1.0
+
+
+def _workers(address: str, job: str, world: int, heartbeat: float) -> list[Worker]:
+    return [Worker(address, rank=r, world_size=world, job=job, timeout=30, heartbeat=heartbeat,
+                   heartbeat_timeout=HB_TIMEOUT) for r in range(world)]
+
+
+def _round(ws: list[Worker], n: int = 1000) -> None:
+    x = np.arange(n, dtype=np.float32)
+    for y in run_ranks(len(ws), lambda r: ws[r].allreduce(x + r)):
+        np.testing.assert_array_equal(y, len(ws) * x + sum(range(len(ws))))
+
+
+# Unit: the book of one end's connections.
+
+
+def test_liveness_sends_to_the_idle_and_drops_the_silent() -> None:
+    live = Liveness(interval=1.0, timeout=5.0)
+    live.resume(100.0)
+    live.heard[b"a"] = 100.0
+    live.heard[b"b"] = 100.0
+    assert live.due(100.0) == ([], [])  # first seen: its first heartbeat is due an interval on
+    live.pause(100.0)
+    live.told[b"b"] = 100.9
+    live.resume(101.2)
+    assert live.due(101.2) == ([], [b"a"])
+    live.heard[b"b"] = 101.2
+    # Steps as usual: "a" says nothing for 5 s and is dropped; "b" is not.
+    t = _steps(live, 101.2, 105.05, every=0.25)
+    live.told[b"a"] = live.told[b"b"] = t
+    assert live.due(t) == ([b"a"], [])
+    live.forget(b"a")
+    assert b"a" not in live.heard and b"a" not in live.told
+
+
+def _steps(live: Liveness, start: float, stop: float, every: float = 0.1) -> float:
+    """The serving loop stepping every ``every`` seconds from ``start`` to past ``stop``."""
+    t = start
+    while t <= stop:
+        live.pause(t)
+        t += every
+        live.resume(t)
+    return t
+
+
+def test_liveness_forgives_silence_while_the_loop_itself_stalled() -> None:
+    live = Liveness(interval=0.2, timeout=1.0)
+    live.resume(10.0)
+    live.heard[b"a"] = 10.0
+    live.pause(10.0)
+    live.resume(13.0)  # the loop was away for 3 s: what "a" sent meanwhile is still unread
+    assert live.due(13.0)[0] == []
+    assert live.heard[b"a"] == 13.0
+    # Stepping as usual from then on, with "a" silent: dropped a timeout after the loop's return.
+    t = _steps(live, 13.0, 13.9)
+    assert live.due(t)[0] == []
+    t = _steps(live, t, 14.05)
+    assert live.due(t)[0] == [b"a"]
+
+
+# Over sockets.
+
+
+@pytest.mark.parametrize("agg_hb, worker_hb", [(HB, 0.0), (0.0, HB), (HB, HB)])
+def test_idle_connections_stay_up_whichever_end_beats(agg_hb: float, worker_hb: float) -> None:
+    """An end without heartbeats answers the other's: neither drops the idle connection."""
+    with Aggregator(timeout=20, heartbeat=agg_hb, heartbeat_timeout=HB_TIMEOUT).start() as agg:
+        ws = _workers(agg.address, "idle", 2, worker_hb)
+        try:
+            _round(ws)
+            time.sleep(3 * HB_TIMEOUT)  # idle: only heartbeats (and their answers) go
+            _round(ws)
+            assert agg.counters.peers_lost == 0
+            assert agg.engine.job_info("idle")["lost"] == {}
+        finally:
+            for w in ws:
+                w.close()
+
+
+def test_silent_connection_is_dropped_and_told() -> None:
+    with Aggregator(timeout=20, heartbeat=HB, heartbeat_timeout=HB_TIMEOUT).start() as agg:
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            s.connect(agg.address)
+            s.send_multipart(encode(Hello("silent", 0, 2, 0, "")))
+            t0 = time.monotonic()
+            beats, dropped = 0, None
+            while dropped is None and time.monotonic() - t0 < 10:
+                if s.poll(100):
+                    msg, _ = decode(s.recv_multipart(), max_header_bytes=MAX_ERROR_HEADER_BYTES)
+                    if isinstance(msg, Heartbeat):
+                        beats += 1
+                    elif isinstance(msg, Error):
+                        dropped = msg
+            took = time.monotonic() - t0
+            assert dropped is not None and dropped.code == ErrorCode.DROPPED and dropped.op is None, dropped
+            assert beats >= 2  # the aggregator sent heartbeats while it waited to hear back
+            assert HB_TIMEOUT * 0.9 < took < HB_TIMEOUT + 3, took
+            assert agg.engine.job_info("silent") is None or agg.engine.job_info("silent")["ranks"] == []
+            assert agg.counters.peers_lost == 1
+            # What the dropped connection sends later goes nowhere: it must connect anew.
+            s.send_multipart(encode(Heartbeat("silent")))
+            assert not s.poll(3 * HB * 1000)
+        finally:
+            s.close()
+            ctx.term()
+
+
+@pytest.fixture
+def daemon() -> Iterator[tuple[subprocess.Popen, str]]:
+    proc, address = start_daemon("tcp://127.0.0.1:0", "--timeout", "30", "--heartbeat", str(HB),
+                                 "--heartbeat-timeout", str(HB_TIMEOUT))
+    try:
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.slow
+def test_paused_aggregator_fails_ops_in_flight_then_serves_again(daemon: tuple[subprocess.Popen, str]) -> None:
+    proc, address = daemon
+    ws = _workers(address, "agg-paused", 2, HB)
+    try:
+        _round(ws)
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        futs = [w.allreduce_async(np.ones(1000, np.float32)) for w in ws]
+        for f in futs:
+            with pytest.raises(ConnectionLostError, match="heard nothing from the aggregator"):
+                f.result(20)
+        took = time.monotonic() - t0
+        print(f"\naggregator SIGSTOP: ops failed {took * 1000:.0f} ms after it (heartbeat timeout {HB_TIMEOUT:g} s)")
+        assert took < HB_TIMEOUT + 4  # the op timeout is 30 s
+        proc.send_signal(signal.SIGCONT)
+        # The workers connect anew; the aggregator, back from its own pause, drops nobody else.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                _round(ws)
+                break
+            except ConnectionLostError:  # an op that raced the new connection's HELLO
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        _round(ws)
+        assert proc.poll() is None
+    finally:
+        for w in ws:
+            w.close()
+
+
+_ABORT_CASE = textwrap.dedent("""
+    import time
+    import numpy as np
+    from aggregator import Aggregator
+    from aggregator.limits import Limits
+    from worker import Worker
+
+    # Not serving yet: the worker's messages fill the connection's queue and its reading
+    # pauses (back-pressure); the worker then leaves while a heartbeat falls due.
+    agg = Aggregator(heartbeat=0.2, heartbeat_timeout=1.0, limits=Limits(max_queued_messages=10))
+    w = Worker(agg.address, rank=0, world_size=2, job="flood", timeout=30, heartbeat=0.2, heartbeat_timeout=1.0)
+    futs = [w.allreduce_async(np.ones(64, np.float32)) for _ in range(1000)]
+    time.sleep(0.3)
+    w.close()
+    time.sleep(1.5)
+    agg.start()
+    time.sleep(0.5)
+    assert agg.alive
+    w = Worker(agg.address, rank=0, world_size=1, job="after", timeout=30)
+    assert (w.allreduce(np.ones(8, np.float32)) == 1).all()
+    w.close()
+    agg.close()
+    print("survived")
+""")
+
+
+@pytest.mark.slow
+def test_daemon_survives_a_peer_leaving_a_paused_connection() -> None:
+    """With ZeroMQ's heartbeats on, libzmq 4.3.5 aborted here (stream_engine_base.cpp:310)."""
+    out = subprocess.run([sys.executable, "-c", _ABORT_CASE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stderr[-3000:])

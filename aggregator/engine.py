@@ -63,8 +63,8 @@ from omnireduce.protocol import (
 
 logger = logging.getLogger(__name__)
 
-# Every heartbeat the engine answers is the same message.
-_HEARTBEAT = encode(Heartbeat("?"))
+# Every heartbeat the engine answers gets the same answer.
+_HEARTBEAT_REPLY = encode(Heartbeat("?", reply=True))
 
 __all__ = ["Engine", "Outgoing"]
 
@@ -111,9 +111,6 @@ class Engine:
         self._jobs = Jobs(self.limits)
         self._failed: OrderedDict[tuple[str, int], tuple[int, ErrorCode, str, list[int]]] = OrderedDict()
         self._log = RateLimitedLog(logger, clock=clock)
-        #: Answer every HEARTBEAT with one (an aggregator that sends none of its own
-        #: does, so that workers with heartbeats on hear from it); else take it silently.
-        self.answer_heartbeats = False
 
     # Read-only views of the counters, for callers that ask the engine.
 
@@ -178,8 +175,8 @@ class Engine:
             return self._refuse(peer, "?", None, Refused(ErrorCode.PROTOCOL, str(e)))
         if isinstance(msg, Bye):
             return self._on_bye(peer, msg)
-        if isinstance(msg, Heartbeat):
-            return [(peer, _HEARTBEAT)] if self.answer_heartbeats else []
+        if isinstance(msg, Heartbeat):  # answered whatever the aggregator's own heartbeats
+            return [] if msg.reply else [(peer, _HEARTBEAT_REPLY)]
         if not isinstance(msg, (Hello, Start, Blocks)):
             err = Refused(ErrorCode.PROTOCOL, f"{msg.TYPE.name} is not a message a worker may send")
             return self._refuse(peer, msg.job, None, err)

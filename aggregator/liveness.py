@@ -15,23 +15,25 @@ again, counted from the loop's return.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 __all__ = ["Liveness"]
 
 logger = logging.getLogger(__name__)
 
-# A loop that polls at least every 50 ms has stalled when it comes back after this long,
-# even for heartbeats more frequent than every 250 ms.
+# A loop that looks at least every 50 ms (plus a step's work) has stalled when it comes
+# back after this long, even for heartbeats more frequent than every 250 ms.
 _MIN_STALL_S = 0.5
+# Connections dropped for silence that are remembered, to tell them so when they speak again.
+_DROPPED_KEPT = 4096
 
 
 class Liveness:
     """When each connection was last heard from and sent to.
 
     Used by the serving thread only. The loop records every message read in
-    :attr:`heard` and every message sent in :attr:`told`, calls :meth:`resume` at
-    the start of each step and :meth:`pause` at its end, and asks :meth:`due` what
-    to do.
+    :attr:`heard` and every message sent in :attr:`told`, and asks :meth:`due` what
+    to do at the end of every step.
 
     Args:
         interval: seconds without sending to a connection after which it gets a heartbeat.
@@ -47,23 +49,23 @@ class Liveness:
         self.told: dict[bytes, float] = {}
         self._stall = max(2 * interval, _MIN_STALL_S)
         self._next_scan = 0.0
-        self._paused_at: float | None = None
-
-    def resume(self, now: float) -> None:
-        """The loop starts a step: after a stall, every connection's silence starts again now."""
-        if self._paused_at is not None and now - self._paused_at > self._stall and self.heard:
-            logger.info("the serving loop did not run for %.1f s: heartbeat timeouts start again",
-                        now - self._paused_at)
-            self.heard = dict.fromkeys(self.heard, now)
-        self._paused_at = None
-
-    def pause(self, now: float) -> None:
-        """The loop ends a step, and waits for input."""
-        self._paused_at = now
+        self._looked: float | None = None
+        # Dropped ids -> when they were last told so.
+        self._dropped: OrderedDict[bytes, float] = OrderedDict()
 
     def due(self, now: float) -> tuple[list[bytes], list[bytes]]:
         """The connections silent past the timeout (to drop) and those sent nothing for an
-        interval (to send a heartbeat to); looked at a few times per interval."""
+        interval (to send a heartbeat to).
+
+        Called at the end of every step of the loop: one that comes long after the
+        previous one means the loop itself stalled (in its poll or in its work), and every
+        connection's silence then starts again now. The connections themselves are looked
+        at a few times per interval.
+        """
+        last, self._looked = self._looked, now
+        if last is not None and now - last > self._stall and self.heard:
+            logger.info("the serving loop did not run for %.1f s: heartbeat timeouts start again", now - last)
+            self.heard = dict.fromkeys(self.heard, now)
         if now < self._next_scan:
             return [], []
         self._next_scan = now + min(self.interval, self.timeout) / 4
@@ -71,10 +73,10 @@ class Liveness:
         told = self.told
         idle = []
         for peer, t in self.heard.items():
-            last = told.get(peer)
-            if last is None:
+            last_told = told.get(peer)
+            if last_told is None:
                 told[peer] = t  # first heard: its first heartbeat is due an interval on
-            elif now - last > self.interval and now - t <= self.timeout:
+            elif now - last_told > self.interval and now - t <= self.timeout:
                 idle.append(peer)
         return silent, idle
 
@@ -82,3 +84,20 @@ class Liveness:
         """A connection gone: no heartbeats for it any more."""
         self.heard.pop(peer, None)
         self.told.pop(peer, None)
+
+    def dropped(self, peer: bytes, now: float) -> None:
+        """``peer`` was dropped for silence (and told so)."""
+        self.forget(peer)
+        self._dropped[peer] = now
+        self._dropped.move_to_end(peer)
+        if len(self._dropped) > _DROPPED_KEPT:
+            self._dropped.popitem(last=False)
+
+    def tell_dropped(self, peer: bytes, now: float) -> bool:
+        """Whether to tell ``peer``, whose message was not taken, that it was dropped: the
+        first telling may not have reached it (a full queue). At most once per interval."""
+        last = self._dropped.get(peer)
+        if last is None or now - last < self.interval:
+            return False
+        self._dropped[peer] = now
+        return True

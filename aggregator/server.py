@@ -71,7 +71,7 @@ class Aggregator:
         limits: caps on jobs, world size, ops in flight, bytes held and message size.
         heartbeat: seconds without sending to a connection after which it gets a
             heartbeat; default ``$OMNIREDUCE_HEARTBEAT``, else 1; 0 turns them off (the
-            aggregator then only answers the heartbeats of workers that send them).
+            aggregator still answers the workers' heartbeats).
         heartbeat_timeout: seconds without a message from a connection after which it
             is dropped and its worker counted as lost; default
             ``$OMNIREDUCE_HEARTBEAT_TIMEOUT``, else 5.
@@ -123,8 +123,6 @@ class Aggregator:
             raise ConfigError(f"the aggregator needs a context of one I/O thread, got {context.get(zmq.IO_THREADS)}")
         # Before the context: a bad timeout leaves nothing to tear down.
         self.engine = Engine(timeout=timeout, limits=self.limits)
-        # Without heartbeats of its own, the aggregator answers those of the workers that send them.
-        self.engine.answer_heartbeats = not heartbeat
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self.counters = self.engine.counters
@@ -356,13 +354,19 @@ class Aggregator:
             why = f"sent nothing for {liveness.timeout:g} s (no heartbeat)"
             self._log(logging.WARNING, "connection %s %s: dropping it", peer.hex(), why)
             # It may only be paused: once it reads again, it learns to connect anew.
-            self._send_all([(peer, encode(Error("?", None, ErrorCode.DROPPED, f"the aggregator heard nothing from "
-                                                f"this connection for {liveness.timeout:g} s and dropped it", [])))])
+            self._send_all([(peer, self._dropped_error(liveness))])
             if peer in liveness.heard:  # else the send found it gone, and declared it so
                 self._lost(peer, why)
+                liveness.dropped(peer, now)
         if idle:
             beat = encode(Heartbeat("?"))
             self._send_all([(peer, beat) for peer in idle])
+
+    @staticmethod
+    def _dropped_error(liveness: Liveness) -> list[Any]:
+        return encode(Error("?", None, ErrorCode.DROPPED,
+                            f"the aggregator heard nothing from this connection for {liveness.timeout:g} s and "
+                            "dropped it", []))
 
     def _declare_departures(self, drained: bool) -> None:
         """Declares closed connections gone, once their last messages (a BYE) have been read.
@@ -431,10 +435,7 @@ class Aggregator:
         """Handles what arrived: ``events`` is the poll's result for :meth:`serve_sockets`."""
         liveness = self._liveness
         now = time.monotonic()
-        heard = None
-        if liveness is not None:
-            liveness.resume(now)
-            heard = liveness.heard
+        heard = liveness.heard if liveness is not None else None
         if self._mon in events:
             self._read_monitor()
         counters = self.counters
@@ -455,6 +456,8 @@ class Aggregator:
                 if conn is _UNTRACKED:
                     counters.messages_in += 1
                     counters.late_dropped += 1
+                    if liveness is not None and liveness.tell_dropped(peer, now):
+                        self._send_all([(peer, self._dropped_error(liveness))])
                     continue
             if heard is not None:
                 heard[peer] = now
@@ -464,9 +467,7 @@ class Aggregator:
         self._declare_departures(drained)
         self._send_all(self.engine.expire())
         if liveness is not None:
-            now = time.monotonic()
-            self._heartbeats(liveness, now)
-            liveness.pause(now)
+            self._heartbeats(liveness, time.monotonic())
 
     def serve_end(self) -> None:
         """Closes the sockets: called on the thread that served them, when it stops."""

@@ -301,7 +301,7 @@ def resolve_heartbeat(heartbeat: float | None, heartbeat_timeout: float | None) 
     """
     interval = resolve(heartbeat, OMNIREDUCE_HEARTBEAT, DEFAULT_HEARTBEAT, float)
     timeout = resolve(heartbeat_timeout, OMNIREDUCE_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, float)
-    # At most 2**31 - 1 ms: ZeroMQ takes them as int milliseconds.
+    # At most 2**31 - 1 ms: the communication threads poll for int milliseconds.
     check_number("heartbeat", interval, positive=False, maximum=_MAX_SOCKET_S)
     check_number("heartbeat_timeout", timeout, maximum=_MAX_SOCKET_S)
     return interval, timeout

@@ -276,13 +276,15 @@ class Heartbeat:
     a heartbeat falls due on a connection whose reading is paused (back-pressure) and
     whose peer has left. An end with heartbeats on sends one after ``interval`` seconds
     without sending anything, and counts its peer as lost after ``timeout`` seconds
-    without receiving anything; an end with heartbeats off answers each one it receives,
-    so that a peer with heartbeats on hears it. ``job`` is the worker's job, or ``"?"``
-    from the aggregator (a heartbeat is about the connection, not a job). No frames.
+    without receiving anything. Every end answers each heartbeat that is not itself an
+    answer (``reply`` True), whatever its own settings: each end's timeout then rests on
+    its own interval only. ``job`` is the worker's job, or ``"?"`` from the aggregator (a
+    heartbeat is about the connection, not a job). No frames.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.HEARTBEAT
     job: str
+    reply: bool | None = None
 
 
 Message = Hello | Bye | Start | Blocks | Result | Error | Heartbeat
@@ -462,7 +464,7 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
         raise ProtocolError(f"{cls.__name__} header: missing fields {missing}, unexpected fields {_short(extra)}")
     _check_str("job", header["job"], MAX_NAME, empty=False)
     for name in names:
-        if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager"):
+        if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager", "reply"):
             continue
         optional = (cls is Error and name == "op") or (cls is Start and name == "stream") or name == "stream_count"
         _check_int(name, header[name], optional=optional)
@@ -483,6 +485,8 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
         _check_real("compute", header["compute"], positive=False)
         if header["eager"] is not None and type(header["eager"]) is not bool:
             raise ProtocolError(f"START header has a non-boolean eager {_short(header['eager'])}")
+    if cls is Heartbeat and header["reply"] is not None and type(header["reply"]) is not bool:
+        raise ProtocolError(f"HEARTBEAT header has a non-boolean reply {_short(header['reply'])}")
     if cls is Result and header["batches"] is not None:
         b = header["batches"]
         if not isinstance(b, list) or not all(_is_real(v) and v >= 0 for v in b):

@@ -45,64 +45,79 @@ def _round(ws: list[Worker], n: int = 1000) -> None:
 # Unit: the book of one end's connections.
 
 
-def test_liveness_sends_to_the_idle_and_drops_the_silent() -> None:
-    live = Liveness(interval=1.0, timeout=5.0)
-    live.resume(100.0)
-    live.heard[b"a"] = 100.0
-    live.heard[b"b"] = 100.0
-    assert live.due(100.0) == ([], [])  # first seen: its first heartbeat is due an interval on
-    live.pause(100.0)
-    live.told[b"b"] = 100.9
-    live.resume(101.2)
-    assert live.due(101.2) == ([], [b"a"])
-    live.heard[b"b"] = 101.2
-    # Steps as usual: "a" says nothing for 5 s and is dropped; "b" is not.
-    t = _steps(live, 101.2, 105.05, every=0.25)
-    live.told[b"a"] = live.told[b"b"] = t
-    assert live.due(t) == ([b"a"], [])
-    live.forget(b"a")
-    assert b"a" not in live.heard and b"a" not in live.told
-
-
 def _steps(live: Liveness, start: float, stop: float, every: float = 0.1) -> float:
-    """The serving loop stepping every ``every`` seconds from ``start`` to past ``stop``."""
+    """The serving loop ending a step every ``every`` seconds from ``start`` to past ``stop``."""
     t = start
     while t <= stop:
-        live.pause(t)
+        live.due(t)
         t += every
-        live.resume(t)
     return t
 
 
-def test_liveness_forgives_silence_while_the_loop_itself_stalled() -> None:
+def test_liveness_sends_to_the_idle_and_drops_the_silent() -> None:
+    live = Liveness(interval=1.0, timeout=5.0)
+    live.heard[b"a"] = 100.0
+    live.heard[b"b"] = 100.0
+    assert live.due(100.0) == ([], [])  # first seen: its first heartbeat is due an interval on
+    t = _steps(live, 100.1, 101.0)
+    live.told[b"b"] = 100.9
+    assert live.due(t + 0.1) == ([], [b"a"])
+    live.heard[b"b"] = 101.2
+    # Steps as usual: "a" says nothing for 5 s and is dropped; "b" is not.
+    t = _steps(live, t + 0.2, 105.05, every=0.25)
+    live.told[b"a"] = live.told[b"b"] = t
+    assert live.due(t) == ([b"a"], [])
+    live.dropped(b"a", t)
+    assert b"a" not in live.heard and b"a" not in live.told
+    # A dropped id that speaks again is told so again, at most once per interval.
+    assert not live.tell_dropped(b"a", t + 0.5)
+    assert live.tell_dropped(b"a", t + 1.5)
+    assert not live.tell_dropped(b"a", t + 2.0)
+    assert not live.tell_dropped(b"b", t + 2.0)
+
+
+@pytest.mark.parametrize("where", ["poll", "step"])
+def test_liveness_forgives_silence_while_the_loop_itself_stalled(where: str) -> None:
     live = Liveness(interval=0.2, timeout=1.0)
-    live.resume(10.0)
     live.heard[b"a"] = 10.0
-    live.pause(10.0)
-    live.resume(13.0)  # the loop was away for 3 s: what "a" sent meanwhile is still unread
+    live.due(10.0)
+    # The loop was away for 3 s, waiting or working: what "a" sent meanwhile is unread.
+    if where == "step":
+        live.heard[b"b"] = 10.05  # read just before the stall, in the step that stalled
     assert live.due(13.0)[0] == []
     assert live.heard[b"a"] == 13.0
     # Stepping as usual from then on, with "a" silent: dropped a timeout after the loop's return.
-    t = _steps(live, 13.0, 13.9)
+    t = _steps(live, 13.1, 13.9)
     assert live.due(t)[0] == []
     t = _steps(live, t, 14.05)
-    assert live.due(t)[0] == [b"a"]
+    assert b"a" in live.due(t)[0]
 
 
 # Over sockets.
 
 
-@pytest.mark.parametrize("agg_hb, worker_hb", [(HB, 0.0), (0.0, HB), (HB, HB)])
-def test_idle_connections_stay_up_whichever_end_beats(agg_hb: float, worker_hb: float) -> None:
-    """An end without heartbeats answers the other's: neither drops the idle connection."""
-    with Aggregator(timeout=20, heartbeat=agg_hb, heartbeat_timeout=HB_TIMEOUT).start() as agg:
-        ws = _workers(agg.address, "idle", 2, worker_hb)
+@pytest.mark.parametrize("agg_hb, worker_hb", [
+    ((HB, HB_TIMEOUT), (0.0, HB_TIMEOUT)),
+    ((0.0, HB_TIMEOUT), (HB, HB_TIMEOUT)),
+    ((HB, HB_TIMEOUT), (HB, HB_TIMEOUT)),
+    ((1.0, 5.0), (HB, HB_TIMEOUT)),  # the worker's timeout is the aggregator's interval
+    ((HB, HB_TIMEOUT), (2.0, 10.0)),  # the worker's interval is twice the aggregator's timeout
+], ids=["agg-only", "worker-only", "both", "slow-agg", "slow-worker"])
+def test_idle_connections_stay_up_whatever_the_ends_settings(
+    agg_hb: tuple[float, float], worker_hb: tuple[float, float],
+) -> None:
+    """Every end answers the other's heartbeats: neither drops an idle connection, whatever
+    the two ends' intervals and timeouts."""
+    with Aggregator(timeout=20, heartbeat=agg_hb[0], heartbeat_timeout=agg_hb[1]).start() as agg:
+        ws = [Worker(agg.address, rank=r, world_size=2, job="idle", timeout=30, heartbeat=worker_hb[0],
+                     heartbeat_timeout=worker_hb[1]) for r in range(2)]
         try:
             _round(ws)
-            time.sleep(3 * HB_TIMEOUT)  # idle: only heartbeats (and their answers) go
+            time.sleep(2.5 * HB_TIMEOUT)  # idle: only heartbeats (and their answers) go
             _round(ws)
-            assert agg.counters.peers_lost == 0
+            assert agg.counters.peers_lost == 0  # a worker that connected anew would count
             assert agg.engine.job_info("idle")["lost"] == {}
+            assert all(w.stats.ops == 2 for w in ws)
         finally:
             for w in ws:
                 w.close()
@@ -131,12 +146,41 @@ def test_silent_connection_is_dropped_and_told() -> None:
             assert HB_TIMEOUT * 0.9 < took < HB_TIMEOUT + 3, took
             assert agg.engine.job_info("silent") is None or agg.engine.job_info("silent")["ranks"] == []
             assert agg.counters.peers_lost == 1
-            # What the dropped connection sends later goes nowhere: it must connect anew.
-            s.send_multipart(encode(Heartbeat("silent")))
-            assert not s.poll(3 * HB * 1000)
+            # What the dropped connection sends later is not taken; it is told again that it
+            # was dropped (the first telling may not have reached it), and must connect anew.
+            time.sleep(HB)
+            s.send_multipart(encode(Hello("silent", 0, 2, 0, "")))
+            assert s.poll(3000)
+            msg, _ = decode(s.recv_multipart(), max_header_bytes=MAX_ERROR_HEADER_BYTES)
+            assert isinstance(msg, Error) and msg.code == ErrorCode.DROPPED, msg
+            assert agg.engine.job_info("silent") is None or agg.engine.job_info("silent")["ranks"] == []
         finally:
             s.close()
             ctx.term()
+
+
+def test_worker_notices_a_silent_aggregator_behind_its_own_backlog() -> None:
+    """A peer that accepts the connection and never reads: the worker's messages back up in
+    its own queue, its heartbeats with them; the aggregator's silence must still count."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVHWM, 10)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    w = Worker(f"tcp://127.0.0.1:{port}", rank=0, world_size=2, job="backlog", timeout=60, heartbeat=HB,
+               heartbeat_timeout=HB_TIMEOUT)
+    try:
+        t0 = time.monotonic()
+        futs = [w.allreduce_async(np.ones(4096, np.float32)) for _ in range(3000)]
+        with pytest.raises(ConnectionLostError, match="heard nothing"):
+            futs[0].result(30)
+        took = time.monotonic() - t0
+        assert took < HB_TIMEOUT + 5, took  # not the op timeout (60 s)
+        assert all(isinstance(f.exception(30), ConnectionLostError) for f in futs[:100])
+    finally:
+        w.close()
+        router.close()
+        ctx.term()
 
 
 @pytest.fixture

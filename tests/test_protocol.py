@@ -47,7 +47,7 @@ MESSAGES = [
     Error("job-b", 3, int(ErrorCode.STALE), "generation 1 < 2", [0]),
     Error("?", None, int(ErrorCode.DROPPED), "silent for 5 s", []),
     Heartbeat("job-a"),
-    Heartbeat("?"),
+    Heartbeat("?", reply=True),
 ]
 
 
@@ -125,6 +125,7 @@ def _header(**fields) -> bytes:
         ([_header(job="")], "job"),
         ([_header(job=7)], "job"),
         ([b"\x80" * 5000], "exceeds"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.HEARTBEAT), "job": "j", "reply": 1})], "reply"),
     ],
 )
 def test_bad_headers_raise_protocol_error(frames, match) -> None:

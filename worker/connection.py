@@ -86,6 +86,8 @@ _BYE_LINGER_MS = 500
 # The thread looks at heartbeats at least every interval: back after this long (at least),
 # it was itself stalled (paused, starved), and the aggregator's silence is not the aggregator's.
 _MIN_STALL_S = 0.5
+# Seconds between tries to open a new socket when opening one failed.
+_RENEW_RETRY_S = 1.0
 
 
 @dataclass(slots=True)
@@ -131,6 +133,7 @@ class Connection:
         self._hello = encode(Hello(settings.job, settings.rank, settings.world_size, settings.generation,
                                    settings.token))
         self._heartbeat = encode(Heartbeat(settings.job))
+        self._heartbeat_reply = encode(Heartbeat(settings.job, reply=True))
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         try:
@@ -162,6 +165,7 @@ class Connection:
         now = time.monotonic()
         self._heard = self._sent = self._looked = now
         self._renew = False
+        self._renew_at = 0.0
         self._own_loop = loop is None
         self._loop = loop if loop is not None else CommLoop(self._ctx, name=f"omnireduce-worker-r{self.rank}")
         try:
@@ -266,7 +270,7 @@ class Connection:
         self._outbox.appendleft((None, self._hello))
 
     def _poll_out(self, poller: zmq.Poller) -> None:
-        if self._renew:
+        if self._renew and time.monotonic() >= self._renew_at:
             self._renew_socket(poller)
         writable = self._connected and bool(self._outbox)
         if writable != self._polling_out:
@@ -276,11 +280,18 @@ class Connection:
     def _renew_socket(self, poller: zmq.Poller) -> None:
         """Replaces the socket of a connection counted as lost: ZeroMQ would keep the old
         TCP connection, which the aggregator dropped (or which leads nowhere)."""
+        try:
+            sock, mon = self._open_socket()
+        except Exception:  # e.g. a CURVE key file gone, out of descriptors: try again later
+            logger.exception("worker rank %d of job %r: cannot open a new socket to %s", self.rank, self.job,
+                             self.address)
+            self._renew_at = time.monotonic() + _RENEW_RETRY_S
+            return
         self._renew = False
         poller.unregister(self._sock)
         poller.unregister(self._mon)
         transport.close_monitored(self._sock, self._mon)
-        self._sock, self._mon = self._open_socket()
+        self._sock, self._mon = sock, mon
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._mon, zmq.POLLIN)
         self._polling_out = False
@@ -321,8 +332,12 @@ class Connection:
         deadlines = []
         if self._pending:
             deadlines.append(min(p.last_heard for p in self._pending.values()) + self.timeout)
+        if self._renew:
+            deadlines.append(self._renew_at)
         if self._hb and self._connected:
-            deadlines.append(self._heard + self._hb_timeout)
+            # Looking every interval at least is what tells this thread's own stalls from
+            # the aggregator's silence (see _check_heartbeats).
+            deadlines += (self._heard + self._hb_timeout, self._looked + self._hb)
             if not self._outbox:  # else the socket is backed up, and messages wait to go anyway
                 deadlines.append(self._sent + self._hb)
         if not deadlines:
@@ -350,13 +365,17 @@ class Connection:
             self._outbox.popleft()
             sent = True
         if sent:
-            self._sent = time.monotonic()
+            # A backed-up socket that drains: the aggregator is reading what this worker sends
+            # (beyond what the kernels' buffers hold), while this worker's heartbeats, and so
+            # their answers, wait behind it.
+            self._sent = self._heard = time.monotonic()
 
-    def _beat(self) -> None:
-        """Sends a heartbeat, unless the socket is backed up (then the aggregator hears the rest)."""
+    def _beat(self, reply: bool = False) -> None:
+        """Sends a heartbeat (or the answer to one), unless the socket is backed up (then the
+        aggregator hears the rest)."""
         if self._connected and not self._outbox:
             try:
-                self._sock.send_multipart(self._heartbeat, flags=zmq.NOBLOCK)
+                self._sock.send_multipart(self._heartbeat_reply if reply else self._heartbeat, flags=zmq.NOBLOCK)
             except zmq.Again:
                 pass  # tried again an interval on: the socket is full of what this worker sent
             self._sent = time.monotonic()
@@ -453,8 +472,8 @@ class Connection:
                 )
                 continue
             if isinstance(msg, Heartbeat):
-                if not self._hb:  # with heartbeats of its own, the worker's next one answers
-                    self._beat()
+                if not msg.reply:  # answered whatever this worker's own settings
+                    self._beat(reply=True)
                 continue
             if msg.job != self.job and not (isinstance(msg, Error) and msg.job == "?"):
                 logger.warning("worker rank %d of job %r: message for job %r ignored", self.rank, self.job, msg.job)

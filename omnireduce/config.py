@@ -297,11 +297,16 @@ def resolve_heartbeat(heartbeat: float | None, heartbeat_timeout: float | None) 
     """Heartbeat interval and timeout (seconds): explicit, else the environment, else the defaults.
 
     Raises:
-        ConfigError: a variable does not parse, the interval is negative or the timeout not positive.
+        ConfigError: a variable does not parse, the interval is negative or the timeout not
+            positive, or the interval is not shorter than the timeout.
     """
     interval = resolve(heartbeat, OMNIREDUCE_HEARTBEAT, DEFAULT_HEARTBEAT, float)
     timeout = resolve(heartbeat_timeout, OMNIREDUCE_HEARTBEAT_TIMEOUT, DEFAULT_HEARTBEAT_TIMEOUT, float)
     # At most 2**31 - 1 ms: the communication threads poll for int milliseconds.
     check_number("heartbeat", interval, positive=False, maximum=_MAX_SOCKET_S)
     check_number("heartbeat_timeout", timeout, maximum=_MAX_SOCKET_S)
+    if interval >= timeout:
+        # The peer's answer to a heartbeat is what keeps a quiet connection up: it must be
+        # able to come back within the timeout.
+        raise ConfigError(f"heartbeat ({interval:g} s) must be shorter than heartbeat_timeout ({timeout:g} s)")
     return interval, timeout

@@ -97,7 +97,8 @@ assert sys.byteorder == "little", "omnireduce's wire format assumes a little-end
 #: one message's worth of blocks; RESULTs of eager streams that complete together are merged.
 #: 6: a sharded rows op deals rows to the shards round-robin (row r to shard r % S) instead of
 #: in ranges: the messages are the same, but a shard of 5 would sum other rows than one of 6.
-#: 7: HEARTBEAT messages (instead of ZeroMQ's heartbeats) and the DROPPED error code.
+#: 7: HEARTBEAT messages (instead of ZeroMQ's heartbeats; every one answered, except answers)
+#: and the DROPPED error code.
 PROTOCOL_VERSION = 7
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.

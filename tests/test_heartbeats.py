@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -34,6 +34,13 @@ HB, HB_TIMEOUT = 0.2, 1.0
 def _workers(address: str, job: str, world: int, heartbeat: float) -> list[Worker]:
     return [Worker(address, rank=r, world_size=world, job=job, timeout=30, heartbeat=heartbeat,
                    heartbeat_timeout=HB_TIMEOUT) for r in range(world)]
+
+
+def _until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
 
 
 def _round(ws: list[Worker], n: int = 1000) -> None:
@@ -144,8 +151,9 @@ def test_silent_connection_is_dropped_and_told() -> None:
             assert dropped is not None and dropped.code == ErrorCode.DROPPED and dropped.op is None, dropped
             assert beats >= 2  # the aggregator sent heartbeats while it waited to hear back
             assert HB_TIMEOUT * 0.9 < took < HB_TIMEOUT + 3, took
+            # The aggregator tells the connection first, then unbinds it.
+            _until(lambda: agg.counters.peers_lost == 1)
             assert agg.engine.job_info("silent") is None or agg.engine.job_info("silent")["ranks"] == []
-            assert agg.counters.peers_lost == 1
             # What the dropped connection sends later is not taken; it is told again that it
             # was dropped (the first telling may not have reached it), and must connect anew.
             time.sleep(HB)
@@ -178,6 +186,50 @@ def test_worker_notices_a_silent_aggregator_behind_its_own_backlog() -> None:
         assert took < HB_TIMEOUT + 5, took  # not the op timeout (60 s)
         assert all(isinstance(f.exception(30), ConnectionLostError) for f in futs[:100])
     finally:
+        w.close()
+        router.close()
+        ctx.term()
+
+
+def test_worker_that_cannot_open_a_new_socket_fails_new_ops_and_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Told it was dropped while a new socket cannot be had: no spinning on the old socket's
+    messages, new ops fail at once, and the worker connects anew once it can."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    w = Worker(f"tcp://127.0.0.1:{port}", rank=0, world_size=2, job="renew", timeout=60, heartbeat=HB,
+               heartbeat_timeout=HB_TIMEOUT)
+    conn = w._connection
+    real_open = conn._open_socket
+    try:
+        assert router.poll(5000)
+        first, header = router.recv_multipart()
+        assert isinstance(decode([header])[0], Hello)
+        fut = w.allreduce_async(np.ones(8, np.float32))
+        assert router.poll(5000)  # its START (or a heartbeat) arrived
+        monkeypatch.setattr(conn, "_open_socket", lambda: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+        cpu0 = time.process_time()
+        # Dropped, and then more on the old connection: a heartbeat to answer.
+        router.send_multipart([first, *encode(Error("?", None, ErrorCode.DROPPED, "silent", []))])
+        router.send_multipart([first, *encode(Heartbeat("?"))])
+        with pytest.raises(ConnectionLostError, match="dropped the connection"):
+            fut.result(10)
+        time.sleep(1.0)
+        assert time.process_time() - cpu0 < 0.5  # this process idled: no poll woken at once, over and over
+        with pytest.raises(ConnectionLostError, match="cannot open a new connection"):
+            w.allreduce(np.ones(8, np.float32))
+        monkeypatch.setattr(conn, "_open_socket", real_open)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the retry connects anew: a HELLO from a new id
+            if router.poll(200):
+                frames = router.recv_multipart()
+                if frames[0] != first and isinstance(decode(frames[1:2])[0], Hello):
+                    break
+        else:
+            raise AssertionError("no new connection")
+    finally:
+        monkeypatch.setattr(conn, "_open_socket", real_open)
         w.close()
         router.close()
         ctx.term()

@@ -110,6 +110,8 @@ def test_closed_worker_raises() -> None:
         (dict(rank=0, world_size=1, heartbeat=float("inf")), "heartbeat"),
         (dict(rank=0, world_size=1, heartbeat_timeout=float("nan")), "heartbeat"),
         (dict(rank=0, world_size=1, heartbeat_timeout=3e6), "heartbeat"),
+        # An answer to a heartbeat could not come back in time: every quiet connection dropped.
+        (dict(rank=0, world_size=1, heartbeat=5, heartbeat_timeout=5), "shorter than heartbeat_timeout"),
         (dict(rank=0, world_size=1, job=""), "job"),
         # A float or string rank used to pass (and reach the aggregator) or raise a raw TypeError.
         (dict(rank=0.5, world_size=2), "rank must be an integer"),

@@ -166,6 +166,7 @@ class Connection:
         self._heard = self._sent = self._looked = now
         self._renew = False
         self._renew_at = 0.0
+        self._renew_failures = 0
         self._own_loop = loop is None
         self._loop = loop if loop is not None else CommLoop(self._ctx, name=f"omnireduce-worker-r{self.rank}")
         try:
@@ -232,20 +233,22 @@ class Connection:
             ConfigError: the address or the CURVE keys are unusable.
         """
         sock = transport.new_socket(self._ctx, zmq.DEALER)
-        # Queue only on a live connection: a dead one's messages must not reach the next.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        # Never pause reading: what arrives is bounded anyway (the answers to this worker's
-        # own ops), and a paused connection is where libzmq's heartbeats once aborted.
-        sock.setsockopt(zmq.RCVHWM, 0)
-        mon = transport.watch(sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        mon = None
         try:
+            # Queue only on a live connection: a dead one's messages must not reach the next.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            # Never pause reading: what arrives is bounded anyway (the answers to this worker's
+            # own ops), and a paused connection is where libzmq's heartbeats once aborted.
+            sock.setsockopt(zmq.RCVHWM, 0)
+            mon = transport.watch(sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
             transport.curve_client(sock, self.settings.curve_server_key, self.settings.curve_client_key)
             sock.connect(self.address)
-        except (zmq.ZMQError, ConfigError) as e:
+        except zmq.ZMQError as e:
             transport.close_monitored(sock, mon)
-            if isinstance(e, ConfigError):
-                raise
             raise ConfigError(f"cannot connect to aggregator address {self.address!r}: {e}") from None
+        except BaseException:
+            transport.close_monitored(sock, mon)
+            raise
         return sock, mon
 
     def _close_sockets(self) -> None:
@@ -282,12 +285,22 @@ class Connection:
         TCP connection, which the aggregator dropped (or which leads nowhere)."""
         try:
             sock, mon = self._open_socket()
-        except Exception:  # e.g. a CURVE key file gone, out of descriptors: try again later
-            logger.exception("worker rank %d of job %r: cannot open a new socket to %s", self.rank, self.job,
-                             self.address)
+        except Exception as e:  # e.g. a CURVE key file gone, out of descriptors: try again later
+            self._renew_failures += 1
+            if self._renew_failures == 1:
+                logger.exception("worker rank %d of job %r: cannot open a new socket to %s; retrying every %g s",
+                                 self.rank, self.job, self.address, _RENEW_RETRY_S)
+            elif self._renew_failures % 60 == 0:
+                logger.error("worker rank %d of job %r: still cannot open a new socket to %s (%d tries): %r",
+                             self.rank, self.job, self.address, self._renew_failures, e)
+            # New ops fail at once meanwhile, rather than at their timeout.
+            self._refused = ConnectionLostError(
+                f"cannot open a new connection to the aggregator at {self.address}: {e!r}", job=self.job)
             self._renew_at = time.monotonic() + _RENEW_RETRY_S
             return
         self._renew = False
+        self._renew_failures = 0
+        self._refused = None
         poller.unregister(self._sock)
         poller.unregister(self._mon)
         transport.close_monitored(self._sock, self._mon)
@@ -407,6 +420,8 @@ class Connection:
     def _on_monitor(self) -> None:
         pending = self._pending
         for kind, _ in transport.monitor_events(self._mon):
+            if self._renew:  # the socket is to be closed: whatever its connection does no longer counts
+                continue
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 logger.info("worker rank %d of job %r: connected to %s", self.rank, self.job, self.address)
                 self._on_connected()
@@ -458,11 +473,13 @@ class Connection:
 
     def _receive(self) -> None:
         pending = self._pending
-        while not self._renew:  # a dropped connection's later messages are of its lost ops
+        while True:
             try:
                 frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if self._renew:  # read, or the poll wakes at once: a lost connection's messages are of its lost ops
+                continue
             self._heard = time.monotonic()
             try:
                 msg, body = decode(frames, max_header_bytes=MAX_ERROR_HEADER_BYTES)

@@ -88,6 +88,8 @@ class Counters:
     ops_failed: int = 0
     send_failures: int = 0
     peers_lost: int = 0
+    #: Connections dropped for silence (no message or heartbeat for the heartbeat timeout).
+    connections_dropped: int = 0
     #: Messages of connections declared gone, read late and dropped.
     late_dropped: int = 0
     #: Bytes held for ops in flight (a gauge), and the most ever held.

@@ -49,6 +49,7 @@ _COUNTERS = (
     ("ops_completed", "Ops completed."),
     ("ops_failed", "Ops failed (any reason)."),
     ("peers_lost", "Connections bound to a job that closed or stopped answering heartbeats."),
+    ("connections_dropped", "Connections dropped for sending nothing, not even a heartbeat, for the timeout."),
     ("send_failures", "Messages that could not be sent (peer gone or not reading)."),
     ("late_dropped", "Messages of connections already declared gone, read late and dropped."),
 )

@@ -356,6 +356,7 @@ class Aggregator:
             # It may only be paused: once it reads again, it learns to connect anew.
             self._send_all([(peer, self._dropped_error(liveness))])
             if peer in liveness.heard:  # else the send found it gone, and declared it so
+                self.counters.connections_dropped += 1
                 self._lost(peer, why)
                 liveness.dropped(peer, now)
         if idle:

@@ -153,6 +153,7 @@ def test_silent_connection_is_dropped_and_told() -> None:
             assert HB_TIMEOUT * 0.9 < took < HB_TIMEOUT + 3, took
             # The aggregator tells the connection first, then unbinds it.
             _until(lambda: agg.counters.peers_lost == 1)
+            assert agg.counters.connections_dropped == 1
             assert agg.engine.job_info("silent") is None or agg.engine.job_info("silent")["ranks"] == []
             # What the dropped connection sends later is not taken; it is told again that it
             # was dropped (the first telling may not have reached it), and must connect anew.

@@ -50,6 +50,12 @@ _CLOSED = (-1, -1)
 # Far above what the protocol keeps in flight (streams x ops per worker), so a
 # full queue means a peer that stopped reading, which ROUTER_MANDATORY reports.
 _SNDHWM = 100_000
+# A connection whose sent data goes unacknowledged this many heartbeat timeouts (at least
+# _MIN_MAXRT_S) is closed by the kernel (TCP_USER_TIMEOUT): a ROUTER cannot close one
+# connection itself, so that of a worker dropped for silence and unreachable (a partition)
+# would hold its descriptor until TCP's retransmissions give up, about 15 minutes.
+_MAXRT_TIMEOUTS = 2
+_MIN_MAXRT_S = 2.0
 
 
 def _bindable(listen: str) -> str:
@@ -134,7 +140,7 @@ class Aggregator:
         #: Every endpoint bound, as resolved (port 0 replaced by the port chosen).
         self.addresses: list[str] = []
         try:
-            self._configure(secret, allowed)
+            self._configure(heartbeat, heartbeat_timeout, secret, allowed)
             for endpoint in endpoints:
                 self._sock.bind(_bindable(endpoint))
                 self.addresses.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -174,7 +180,7 @@ class Aggregator:
             "omnireduce aggregator listening on %s%s", ", ".join(self.addresses), " (CURVE)" if self.curve else ""
         )
 
-    def _configure(self, secret: str | None, allowed: str | None) -> None:
+    def _configure(self, heartbeat: float, heartbeat_timeout: float, secret: str | None, allowed: str | None) -> None:
         s = self._sock
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.SNDHWM, _SNDHWM)
@@ -182,6 +188,9 @@ class Aggregator:
         s.setsockopt(zmq.RCVHWM, self.limits.max_queued_messages)
         s.setsockopt(zmq.MAXMSGSIZE, self.limits.max_message_bytes)
         # No ZeroMQ heartbeats (see omnireduce.protocol.Heartbeat): the loop sends its own.
+        if heartbeat:
+            maxrt = max(_MAXRT_TIMEOUTS * heartbeat_timeout, _MIN_MAXRT_S)
+            s.setsockopt(zmq.TCP_MAXRT, min(int(maxrt * 1000), 2**31 - 1))
         self._auth = transport.curve_server(s, secret, allowed)
         self._mon = transport.watch(s, zmq.EVENT_ACCEPTED)
 

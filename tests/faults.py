@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,15 +45,16 @@ def expected(seed: int, world: int, n: int) -> np.ndarray:
     return sum(tensor(seed, r, n) for r in range(world))
 
 
-def start_daemon(listen: str, *args: str) -> tuple[subprocess.Popen, str]:
-    """``omnireduce-aggregator --listen LISTEN ARGS...`` as a process; returns it and the address
-    it listens on (port 0 resolved) once it says so."""
+def start_daemon(listen: str, *args: str, prefix: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """``omnireduce-aggregator --listen LISTEN ARGS...`` as a process (behind ``prefix``, e.g.
+    ``ip netns exec NS``); returns it and the address it listens on (port 0 resolved) once it
+    says so."""
     exe = shutil.which("omnireduce-aggregator", path=os.path.dirname(sys.executable))
     assert exe, "the omnireduce-aggregator console script is not installed"
-    proc = subprocess.Popen([exe, "--listen", listen, *args], stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*prefix, exe, "--listen", listen, *args], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
-        m = re.search(r"listening on (tcp://127\.0\.0\.1:\d+)", line)
+        m = re.search(r"listening on (tcp://[\d.]+:\d+)", line)
         if m:
             threading.Thread(target=lambda: proc.stderr.read(), daemon=True).start()  # type: ignore[union-attr]
             return proc, m.group(1)

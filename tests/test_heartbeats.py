@@ -22,13 +22,15 @@ import zmq
 
 from aggregator import Aggregator
 from aggregator.liveness import Liveness
+from bench import cluster
 from omnireduce.errors import ConnectionLostError
 from omnireduce.protocol import MAX_ERROR_HEADER_BYTES, Error, ErrorCode, Heartbeat, Hello, decode, encode
 from tests.faults import start_daemon
-from tests.helpers import run_ranks
+from tests.helpers import ROOT, child_env, run_ranks
 from worker import Worker
 
 HB, HB_TIMEOUT = 0.2, 1.0
+NO_NETNS = cluster.preflight()
 
 
 def _workers(address: str, job: str, world: int, heartbeat: float) -> list[Worker]:
@@ -314,3 +316,50 @@ def test_daemon_survives_a_peer_leaving_a_paused_connection() -> None:
     """With ZeroMQ's heartbeats on, libzmq 4.3.5 aborted here (stream_engine_base.cpp:310)."""
     out = subprocess.run([sys.executable, "-c", _ABORT_CASE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stderr[-3000:])
+
+
+_IDLE_WORKER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from worker import Worker
+
+    w = Worker(sys.argv[1], rank=0, world_size=1, job="partitioned", timeout=30, heartbeat=0.2,
+               heartbeat_timeout=1.0)
+    print("ok" if (w.allreduce(np.ones(8, np.float32)) == 1).all() else "wrong", flush=True)
+    time.sleep(120)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces unavailable: {NO_NETNS}")
+def test_daemon_closes_the_connection_of_an_unreachable_worker() -> None:
+    """A ROUTER cannot close one connection: the kernel does (TCP_MAXRT), once what the daemon
+    sends a partitioned worker goes unacknowledged, instead of holding it for ~15 minutes."""
+    with cluster.Topology(workers=1, rate="1gbit", subnet="198.18.7.0/24") as topo:
+        (agg_ns, agg_ip), = topo.aggregators
+        (worker_ns, _), = topo.workers
+        worker_link = topo.nodes[1][1]  # the worker's port on the switch
+
+        def established() -> int:
+            out = subprocess.run(["ip", "netns", "exec", agg_ns, "ss", "-Htn", "state", "established",
+                                  "( sport = :5555 )"], capture_output=True, text=True, timeout=20)
+            return len(out.stdout.splitlines())
+
+        proc, address = start_daemon(f"tcp://{agg_ip}:5555", "--timeout", "30", "--heartbeat", str(HB),
+                                     "--heartbeat-timeout", str(HB_TIMEOUT), prefix=["ip", "netns", "exec", agg_ns])
+        child = subprocess.Popen(["ip", "netns", "exec", worker_ns, sys.executable, "-c", _IDLE_WORKER, address],
+                                 stdout=subprocess.PIPE, text=True, cwd=ROOT, env=child_env())
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == "ok"
+            assert established() == 1
+            subprocess.run(["ip", "link", "set", worker_link, "down"], check=True, timeout=20)
+            t0 = time.monotonic()
+            _until(lambda: established() == 0, timeout=30)
+            took = time.monotonic() - t0
+            print(f"\npartitioned worker: its connection closed at the daemon after {took:.1f} s")
+            assert took < HB_TIMEOUT + 2 * HB_TIMEOUT + 10
+            assert proc.poll() is None
+        finally:
+            for p in (child, proc):
+                p.kill()
+                p.wait(10)

@@ -26,8 +26,9 @@ from bench import cluster
 from omnireduce.errors import ConnectionLostError
 from omnireduce.protocol import MAX_ERROR_HEADER_BYTES, Error, ErrorCode, Heartbeat, Hello, decode, encode
 from tests.faults import start_daemon
-from tests.helpers import ROOT, child_env, run_ranks
+from tests.helpers import ROOT, ThreadExchange, child_env, run_ranks
 from worker import Worker
+from worker.colocated import ColocatedWorker
 
 HB, HB_TIMEOUT = 0.2, 1.0
 NO_NETNS = cluster.preflight()
@@ -239,6 +240,25 @@ def test_worker_that_cannot_open_a_new_socket_fails_new_ops_and_retries(monkeypa
         ctx.term()
 
 
+def test_colocated_ranks_idle_past_the_timeout_stay_up() -> None:
+    """A co-located rank reaches its own shard over inproc, served by its own thread: the
+    heartbeats of that path, and of the TCP ones, keep every idle connection up."""
+    ex = ThreadExchange(2)
+    hb = dict(heartbeat=HB, heartbeat_timeout=HB_TIMEOUT)
+    x = np.arange(4096, dtype=np.float32)
+
+    def rank(r: int) -> tuple[int, int]:
+        with ColocatedWorker(ex(r), r, 2, job="coloc-idle", timeout=30, shard_bytes=0, aggregator_options=hb,
+                             **hb) as w:
+            np.testing.assert_array_equal(w.allreduce(x + r), 2 * x + 1)
+            time.sleep(2.5 * HB_TIMEOUT)
+            np.testing.assert_array_equal(w.allreduce(x + r), 2 * x + 1)
+            counters = w.aggregator.counters
+            return counters.peers_lost, counters.connections_dropped
+
+    assert run_ranks(2, rank) == [(0, 0), (0, 0)]
+
+
 @pytest.fixture
 def daemon() -> Iterator[tuple[subprocess.Popen, str]]:
     proc, address = start_daemon("tcp://127.0.0.1:0", "--timeout", "30", "--heartbeat", str(HB),
@@ -291,6 +311,7 @@ _ABORT_CASE = textwrap.dedent("""
     from aggregator import Aggregator
     from aggregator.limits import Limits
     from worker import Worker
+from worker.colocated import ColocatedWorker
 
     # Not serving yet: the worker's messages fill the connection's queue and its reading
     # pauses (back-pressure); the worker then leaves while a heartbeat falls due.
@@ -322,6 +343,7 @@ _IDLE_WORKER = textwrap.dedent("""
     import sys, time
     import numpy as np
     from worker import Worker
+from worker.colocated import ColocatedWorker
 
     w = Worker(sys.argv[1], rank=0, world_size=1, job="partitioned", timeout=30, heartbeat=0.2,
                heartbeat_timeout=1.0)

@@ -311,7 +311,6 @@ _ABORT_CASE = textwrap.dedent("""
     from aggregator import Aggregator
     from aggregator.limits import Limits
     from worker import Worker
-from worker.colocated import ColocatedWorker
 
     # Not serving yet: the worker's messages fill the connection's queue and its reading
     # pauses (back-pressure); the worker then leaves while a heartbeat falls due.
@@ -343,7 +342,6 @@ _IDLE_WORKER = textwrap.dedent("""
     import sys, time
     import numpy as np
     from worker import Worker
-from worker.colocated import ColocatedWorker
 
     w = Worker(sys.argv[1], rank=0, world_size=1, job="partitioned", timeout=30, heartbeat=0.2,
                heartbeat_timeout=1.0)

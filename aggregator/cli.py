@@ -42,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--heartbeat", type=float, default=None,
-        help="seconds without sending to a connection after which it gets a heartbeat (0: off, only answer the "
-             "workers'); default $OMNIREDUCE_HEARTBEAT, else 1",
+        help="seconds without hearing from a connection after which it gets a heartbeat (0: off, only answer "
+             "the workers'); default $OMNIREDUCE_HEARTBEAT, else 1",
     )
     p.add_argument(
         "--heartbeat-timeout", type=float, default=None,

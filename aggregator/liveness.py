@@ -1,15 +1,15 @@
 """Heartbeats of the aggregator's connections: which to send one to, which to drop.
 
 The aggregator keeps ZeroMQ's heartbeats off (see :class:`omnireduce.protocol.Heartbeat`)
-and sends its own: a connection it has sent nothing to for ``interval`` seconds gets a
-HEARTBEAT, and one it has heard nothing from for ``timeout`` seconds is dropped. Its
-workers do the same the other way.
+and sends its own: a connection it has heard nothing from for ``interval`` seconds gets a
+HEARTBEAT (at most one per interval), which the worker answers, and one it has heard
+nothing from for ``timeout`` seconds is dropped. Its workers do the same the other way.
 
-The times are those at which the serving loop read or sent a message, not those at
-which the bytes arrived: when the loop itself did not run for a while (the process
-was paused, or starved of CPU), what the workers sent meanwhile is still unread, so
-their silence is not theirs. After such a gap every connection gets its full timeout
-again, counted from the loop's return.
+The times are those at which the serving loop read a message, not those at which the
+bytes arrived: when the loop itself did not run for a while (the process was paused,
+or starved of CPU), what the workers sent meanwhile is still unread, so their silence
+is not theirs. After such a gap every connection gets its full timeout again, counted
+from the loop's return.
 """
 
 from __future__ import annotations
@@ -17,26 +17,24 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
+from omnireduce.config import heartbeat_stall
+
 __all__ = ["Liveness"]
 
 logger = logging.getLogger(__name__)
 
-# A loop that looks at least every 50 ms (plus a step's work) has stalled when it comes
-# back after this long, even for heartbeats more frequent than every 250 ms.
-_MIN_STALL_S = 0.5
 # Connections dropped for silence that are remembered, to tell them so when they speak again.
 _DROPPED_KEPT = 4096
 
 
 class Liveness:
-    """When each connection was last heard from and sent to.
+    """When each connection was last heard from.
 
     Used by the serving thread only. The loop records every message read in
-    :attr:`heard` and every message sent in :attr:`told`, and asks :meth:`due` what
-    to do at the end of every step.
+    :attr:`heard`, and asks :meth:`due` what to do at the end of every step.
 
     Args:
-        interval: seconds without sending to a connection after which it gets a heartbeat.
+        interval: seconds without hearing from a connection after which it gets a heartbeat.
         timeout: seconds without hearing from a connection after which it is dropped.
     """
 
@@ -45,17 +43,17 @@ class Liveness:
         self.timeout = timeout
         #: Routing id -> when its last message was read.
         self.heard: dict[bytes, float] = {}
-        #: Routing id -> when the last message to it was sent.
-        self.told: dict[bytes, float] = {}
-        self._stall = max(2 * interval, _MIN_STALL_S)
+        # Routing id -> when it was last sent a heartbeat (only ids that fell silent).
+        self._pinged: dict[bytes, float] = {}
+        self._stall = heartbeat_stall(interval)
         self._next_scan = 0.0
         self._looked: float | None = None
         # Dropped ids -> when they were last told so.
         self._dropped: OrderedDict[bytes, float] = OrderedDict()
 
     def due(self, now: float) -> tuple[list[bytes], list[bytes]]:
-        """The connections silent past the timeout (to drop) and those sent nothing for an
-        interval (to send a heartbeat to).
+        """The connections silent past the timeout (to drop) and those silent for an
+        interval and not sent a heartbeat within one (to send one to).
 
         Called at the end of every step of the loop: one that comes long after the
         previous one means the loop itself stalled (in its poll or in its work), and every
@@ -70,20 +68,17 @@ class Liveness:
             return [], []
         self._next_scan = now + min(self.interval, self.timeout) / 4
         silent = [peer for peer, t in self.heard.items() if now - t > self.timeout]
-        told = self.told
-        idle = []
-        for peer, t in self.heard.items():
-            last_told = told.get(peer)
-            if last_told is None:
-                told[peer] = t  # first heard: its first heartbeat is due an interval on
-            elif now - last_told > self.interval and now - t <= self.timeout:
-                idle.append(peer)
+        pinged, interval = self._pinged, self.interval
+        idle = [peer for peer, t in self.heard.items()
+                if interval < now - t <= self.timeout and now - pinged.get(peer, t) > interval]
+        for peer in idle:
+            pinged[peer] = now
         return silent, idle
 
     def forget(self, peer: bytes) -> None:
         """A connection gone: no heartbeats for it any more."""
         self.heard.pop(peer, None)
-        self.told.pop(peer, None)
+        self._pinged.pop(peer, None)
 
     def dropped(self, peer: bytes, now: float) -> None:
         """``peer`` was dropped for silence (and told so)."""

@@ -56,6 +56,9 @@ _SNDHWM = 100_000
 # would hold its descriptor until TCP's retransmissions give up, about 15 minutes.
 _MAXRT_TIMEOUTS = 2
 _MIN_MAXRT_S = 2.0
+_HEARTBEAT = encode(Heartbeat("?"))
+# Why a connection whose end the monitor told of is gone.
+_DEPARTED = "disconnected (connection closed)"
 
 
 def _bindable(listen: str) -> str:
@@ -75,9 +78,9 @@ class Aggregator:
         context: ZeroMQ context to use; a private one by default (CURVE needs its
             authenticator, one per context). It must have one I/O thread (the default).
         limits: caps on jobs, world size, ops in flight, bytes held and message size.
-        heartbeat: seconds without sending to a connection after which it gets a
-            heartbeat; default ``$OMNIREDUCE_HEARTBEAT``, else 1; 0 turns them off (the
-            aggregator still answers the workers' heartbeats).
+        heartbeat: seconds without hearing from a connection after which it gets a
+            heartbeat (at most one per interval); default ``$OMNIREDUCE_HEARTBEAT``, else 1;
+            0 turns them off (the aggregator still answers the workers' heartbeats).
         heartbeat_timeout: seconds without a message from a connection after which it
             is dropped and its worker counted as lost; default
             ``$OMNIREDUCE_HEARTBEAT_TIMEOUT``, else 5.
@@ -123,6 +126,10 @@ class Aggregator:
         self.heartbeat_timeout = heartbeat_timeout if heartbeat else None
         # Read and written by the serving thread only.
         self._liveness = Liveness(heartbeat, heartbeat_timeout) if heartbeat else None
+        self._dropped_error = encode(Error(
+            "?", None, ErrorCode.DROPPED,
+            f"the aggregator heard nothing from this connection for {heartbeat_timeout:g} s and dropped it", [],
+        ))
         memory.tune_malloc()
         if context is not None and context.get(zmq.IO_THREADS) != 1:
             # aggregator.connections relies on one I/O thread's order of events and messages.
@@ -161,8 +168,8 @@ class Aggregator:
         self._serving = False
         # Connection bookkeeping for the monitor (see the module docstring).
         self._conns = Connections()
-        # Departing ids (see Connections), with when and why, until declared gone.
-        self._departed: list[tuple[float, bytes, str]] = []
+        # Departing ids (see Connections), with when, until declared gone.
+        self._departed: list[tuple[float, bytes]] = []
         self._log = RateLimitedLog(logger)
         self.metrics_address: str | None = None
         if metrics_port is not None:
@@ -265,8 +272,6 @@ class Aggregator:
         if not out:
             return
         gone: list[bytes] = []
-        liveness = self._liveness
-        now = time.monotonic()
         for peer, frames in out:
             # Counted before the send: once a worker holds the message, the metric (read from
             # another thread) includes it; a failed send takes it back.
@@ -274,8 +279,6 @@ class Aggregator:
             self.counters.bytes_out += nbytes
             try:
                 self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
-                if liveness is not None and peer in liveness.heard:  # not one already forgotten
-                    liveness.told[peer] = now
             except zmq.ZMQError as e:
                 self.counters.bytes_out -= nbytes
                 self.counters.send_failures += 1
@@ -316,7 +319,7 @@ class Aggregator:
             logger.debug("a late message of closed connection %s (fd %d) dropped", peer.hex(), fd)
         elif peer in self._conns.departing:
             logger.debug("connection %s (fd %d) closed before its first message was read", peer.hex(), fd)
-            self._departed.append((time.monotonic(), peer, self._departure_reason()))
+            self._departed.append((time.monotonic(), peer))
         for old in stale:
             self._log(logging.INFO, "connection %s (fd %d) is gone: %s, issued later, came on its descriptor",
                       old.hex(), fd, peer.hex())
@@ -343,7 +346,7 @@ class Aggregator:
                 for peer in self._conns.disconnected(value):
                     logger.debug("connection %s (fd %d) closed", peer.hex(), value)
                     # Its last messages may still wait in the socket: see _declare_departures.
-                    self._departed.append((time.monotonic(), peer, self._departure_reason()))
+                    self._departed.append((time.monotonic(), peer))
             elif kind in transport.HANDSHAKE_FAILURES:
                 failure = transport.HANDSHAKE_FAILURES[kind]
                 if failure.aborted:
@@ -353,9 +356,6 @@ class Aggregator:
                     self.counters.error("handshake")
                     self._log(logging.WARNING, "refused a connection: %s (%s)", failure.listener, value)
 
-    def _departure_reason(self) -> str:
-        return "disconnected (connection closed)"
-
     def _heartbeats(self, liveness: Liveness, now: float) -> None:
         """Drops the connections silent past the timeout; sends heartbeats to the idle ones."""
         silent, idle = liveness.due(now)
@@ -363,20 +363,12 @@ class Aggregator:
             why = f"sent nothing for {liveness.timeout:g} s (no heartbeat)"
             self._log(logging.WARNING, "connection %s %s: dropping it", peer.hex(), why)
             # It may only be paused: once it reads again, it learns to connect anew.
-            self._send_all([(peer, self._dropped_error(liveness))])
+            self._send_all([(peer, self._dropped_error)])
             if peer in liveness.heard:  # else the send found it gone, and declared it so
                 self.counters.connections_dropped += 1
                 self._lost(peer, why)
                 liveness.dropped(peer, now)
-        if idle:
-            beat = encode(Heartbeat("?"))
-            self._send_all([(peer, beat) for peer in idle])
-
-    @staticmethod
-    def _dropped_error(liveness: Liveness) -> list[Any]:
-        return encode(Error("?", None, ErrorCode.DROPPED,
-                            f"the aggregator heard nothing from this connection for {liveness.timeout:g} s and "
-                            "dropped it", []))
+        self._send_all([(peer, _HEARTBEAT) for peer in idle])
 
     def _declare_departures(self, drained: bool) -> None:
         """Declares closed connections gone, once their last messages (a BYE) have been read.
@@ -391,9 +383,9 @@ class Aggregator:
         if not ready:
             return
         self._departed = [d for d in self._departed if d not in ready]
-        for _, peer, why in ready:
+        for _, peer in ready:
             if peer in self._conns.departing:  # else it was declared already
-                self._lost(peer, why)
+                self._lost(peer, _DEPARTED)
 
     def _claim(self) -> None:
         """Marks the aggregator served: by one thread or loop only, and never once closed."""
@@ -467,7 +459,7 @@ class Aggregator:
                     counters.messages_in += 1
                     counters.late_dropped += 1
                     if liveness is not None and liveness.tell_dropped(peer, now):
-                        self._send_all([(peer, self._dropped_error(liveness))])
+                        self._send_all([(peer, self._dropped_error)])
                     continue
             if heard is not None:
                 heard[peer] = now

@@ -72,6 +72,7 @@ __all__ = [
     "resolve_optional",
     "resolve_generation",
     "split_addresses",
+    "heartbeat_stall",
     "resolve_heartbeat",
 ]
 
@@ -96,8 +97,8 @@ OMNIREDUCE_COSTS = "OMNIREDUCE_COSTS"
 OMNIREDUCE_TOKEN = "OMNIREDUCE_TOKEN"
 #: The job's generation; raise it when the job's workers restart (torchelastic does).
 OMNIREDUCE_GENERATION = "OMNIREDUCE_GENERATION"
-#: Seconds without sending on a connection after which a heartbeat goes; 0 turns them off
-#: (that end then only answers the other's).
+#: Seconds without hearing from the peer after which a heartbeat goes (at most one per
+#: interval); 0 turns them off (that end then only answers the other's).
 OMNIREDUCE_HEARTBEAT = "OMNIREDUCE_HEARTBEAT"
 #: Seconds without any message from the peer after which a connection is dropped as dead.
 OMNIREDUCE_HEARTBEAT_TIMEOUT = "OMNIREDUCE_HEARTBEAT_TIMEOUT"
@@ -291,6 +292,13 @@ def check_integer(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     return int(value)
+
+
+def heartbeat_stall(interval: float) -> float:
+    """Seconds between two of a loop's own looks at its heartbeats past which the loop
+    itself stalled (paused, starved), so that its peer's silence meanwhile is not the
+    peer's: twice the interval at which it looks, and at least half a second."""
+    return max(2 * interval, 0.5)
 
 
 def resolve_heartbeat(heartbeat: float | None, heartbeat_timeout: float | None) -> tuple[float, float]:

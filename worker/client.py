@@ -61,9 +61,9 @@ class Worker(SettingsView):
             ``$OMNIREDUCE_TOKEN``, else none.
         generation: the job's generation: raise it when the job's workers restart;
             default ``$OMNIREDUCE_GENERATION``, else ``$TORCHELASTIC_RESTART_COUNT``, else 0.
-        heartbeat: seconds without sending after which a heartbeat goes; default
-            ``$OMNIREDUCE_HEARTBEAT``, else 1; 0: off (the worker then only answers the
-            aggregator's).
+        heartbeat: seconds without hearing from the aggregator after which a heartbeat goes
+            (at most one per interval); default ``$OMNIREDUCE_HEARTBEAT``, else 1; 0: off
+            (the worker then only answers the aggregator's).
         heartbeat_timeout: seconds of silence after which the connection counts as
             lost; default ``$OMNIREDUCE_HEARTBEAT_TIMEOUT``, else 5.
         curve_server_key: the aggregator's CURVE public key (``.key`` file or Z85

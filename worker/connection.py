@@ -16,7 +16,8 @@ nothing of a dead connection reaches the next one ahead of its HELLO.
 
 Heartbeats (:class:`omnireduce.protocol.Heartbeat`; ZeroMQ's own are off) find an
 aggregator that is paused or unreachable: the thread sends one after ``heartbeat``
-seconds without sending anything, and counts the connection as lost after
+seconds without hearing anything (at most one per interval; the aggregator answers
+it), and counts the connection as lost after
 ``heartbeat_timeout`` seconds without hearing anything, or when the aggregator says
 it dropped the connection (an ERROR of code DROPPED, after this worker was silent,
 e.g. paused); the socket is then replaced by a new one, which connects anew.
@@ -35,7 +36,7 @@ from typing import Any
 
 import zmq
 
-from omnireduce import memory, transport
+from omnireduce import config, memory, transport
 from omnireduce.errors import (
     AggregatorError,
     AuthError,
@@ -83,9 +84,6 @@ _ERRORS: dict[int, type[OpError]] = {
 _REFUSALS = frozenset({ErrorCode.AUTH, ErrorCode.LIMIT, ErrorCode.MISMATCH, ErrorCode.STALE})
 # How long closing waits for BYE to leave, so the aggregator does not count the rank as lost.
 _BYE_LINGER_MS = 500
-# The thread looks at heartbeats at least every interval: back after this long (at least),
-# it was itself stalled (paused, starved), and the aggregator's silence is not the aggregator's.
-_MIN_STALL_S = 0.5
 # Seconds between tries to open a new socket when opening one failed.
 _RENEW_RETRY_S = 1.0
 
@@ -157,13 +155,13 @@ class Connection:
         # Set when the aggregator refused this connection's HELLO: new ops fail with it.
         self._refused: OpError | None = None
         self._handshake_failures = 0
-        # Heartbeats: when the thread last heard from the aggregator, sent to it, and looked;
-        # and whether the socket is to be replaced (the connection counted as lost).
+        # Heartbeats: when the thread last heard from the aggregator, sent it a heartbeat, and
+        # looked; and whether the socket is to be replaced (the connection counted as lost).
         self._hb = settings.heartbeat
         self._hb_timeout = settings.heartbeat_timeout
-        self._stall = max(2 * self._hb, _MIN_STALL_S)
+        self._stall = config.heartbeat_stall(self._hb)
         now = time.monotonic()
-        self._heard = self._sent = self._looked = now
+        self._heard = self._pinged = self._looked = now
         self._renew = False
         self._renew_at = 0.0
         self._renew_failures = 0
@@ -268,7 +266,7 @@ class Connection:
         self._connected = True
         self._refused = None
         self._handshake_failures = 0
-        self._heard = self._sent = time.monotonic()
+        self._heard = self._pinged = time.monotonic()
         # Every connection starts with HELLO, ahead of anything queued.
         self._outbox.appendleft((None, self._hello))
 
@@ -350,9 +348,8 @@ class Connection:
         if self._hb and self._connected:
             # Looking every interval at least is what tells this thread's own stalls from
             # the aggregator's silence (see _check_heartbeats).
-            deadlines += (self._heard + self._hb_timeout, self._looked + self._hb)
-            if not self._outbox:  # else the socket is backed up, and messages wait to go anyway
-                deadlines.append(self._sent + self._hb)
+            deadlines += (self._heard + self._hb_timeout, self._looked + self._hb,
+                          max(self._heard, self._pinged) + self._hb)
         if not deadlines:
             return None
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
@@ -362,7 +359,6 @@ class Connection:
         if self._connected and not self._outbox:
             try:
                 self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
-                self._sent = time.monotonic()
                 return
             except zmq.Again:
                 pass
@@ -381,7 +377,7 @@ class Connection:
             # A backed-up socket that drains: the aggregator is reading what this worker sends
             # (beyond what the kernels' buffers hold), while this worker's heartbeats, and so
             # their answers, wait behind it.
-            self._sent = self._heard = time.monotonic()
+            self._heard = time.monotonic()
 
     def _beat(self, reply: bool = False) -> None:
         """Sends a heartbeat (or the answer to one), unless the socket is backed up (then the
@@ -390,8 +386,7 @@ class Connection:
             try:
                 self._sock.send_multipart(self._heartbeat_reply if reply else self._heartbeat, flags=zmq.NOBLOCK)
             except zmq.Again:
-                pass  # tried again an interval on: the socket is full of what this worker sent
-            self._sent = time.monotonic()
+                pass  # the socket is full of what this worker sent: the aggregator hears that
 
     def _connection_lost(self, why: str, renew: bool) -> None:
         """Fails the ops in flight on a connection that is gone; ``renew``: replace the socket
@@ -473,6 +468,9 @@ class Connection:
 
     def _receive(self) -> None:
         pending = self._pending
+        # Called when a message is in: the aggregator was heard (a lost connection's messages
+        # do not count, and are read only to be dropped).
+        self._heard = time.monotonic()
         while True:
             try:
                 frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
@@ -480,7 +478,6 @@ class Connection:
                 return
             if self._renew:  # read, or the poll wakes at once: a lost connection's messages are of its lost ops
                 continue
-            self._heard = time.monotonic()
             try:
                 msg, body = decode(frames, max_header_bytes=MAX_ERROR_HEADER_BYTES)
             except ProtocolError as e:
@@ -581,12 +578,13 @@ class Connection:
         if now - self._looked > self._stall:
             # This thread did not run for a while: the aggregator's messages since then are
             # unread, so its silence starts again now.
-            self._heard = max(self._heard, now)
+            self._heard = now
         self._looked = now
         if now - self._heard > self._hb_timeout:
             self._connection_lost(
                 f"heard nothing from the aggregator at {self.address} for {self._hb_timeout:g} s (no heartbeat)",
                 renew=True,
             )
-        elif now - self._sent > self._hb:
+        elif now - self._heard > self._hb and now - self._pinged > self._hb:
+            self._pinged = now
             self._beat()

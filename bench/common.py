@@ -22,6 +22,9 @@ __all__ = [
     "COLOCATED",
     "ROWS",
     "ROWS_COLOCATED",
+    "KNOWN",
+    "KNOWN_COLOCATED",
+    "is_known",
     "is_colocated",
     "is_rows",
     "worker_mode",
@@ -44,14 +47,23 @@ COLOCATED = "omnireduce-colocated"
 ROWS = "omnireduce-rows"
 #: The same through co-located shards.
 ROWS_COLOCATED = "omnireduce-rows-colocated"
+#: omnireduce of the dense tensor gloo sums, given its nonzero rows (worker.knownrows: no mask pass).
+KNOWN = "omnireduce-knownrows"
+#: The same through co-located shards.
+KNOWN_COLOCATED = "omnireduce-knownrows-colocated"
 #: The systems compared; gloo's dense all_reduce is the reference of every speedup.
 SYSTEMS = ("gloo", "gloo-sparse", "omnireduce", "omnireduce-dense", "omnireduce-auto", COLOCATED, ROWS,
-           ROWS_COLOCATED)
+           ROWS_COLOCATED, KNOWN, KNOWN_COLOCATED)
 
 
 def is_colocated(system: str) -> bool:
     """Whether ``system`` runs on shards served by the ranks themselves (no aggregator process)."""
-    return system in (COLOCATED, ROWS_COLOCATED)
+    return system in (COLOCATED, ROWS_COLOCATED, KNOWN_COLOCATED)
+
+
+def is_known(system: str) -> bool:
+    """Whether ``system`` sums the dense tensor in place given its nonzero rows (dense in, dense out)."""
+    return system in (KNOWN, KNOWN_COLOCATED)
 
 
 def is_rows(system: str) -> bool:
@@ -97,8 +109,7 @@ class RankSpec:
         skew: 0 places every rank's nonzero blocks uniformly at random; above 0, with this
             Zipf exponent over a popularity order every rank shares (see :func:`skewed_blocks`).
         colocated_listen: per rank, the endpoint its own aggregator shard listens on
-            ("omnireduce-colocated", "omnireduce-rows-colocated": every rank serves one
-            shard, worker.colocated).
+            (the "-colocated" systems: every rank serves one shard, worker.colocated).
     """
 
     world_size: int

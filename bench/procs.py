@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import RankSpec, is_colocated, is_rows, make_tensor, worker_mode
+from bench.common import RankSpec, is_colocated, is_known, is_rows, make_tensor, worker_mode
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class _Case:
         self.new_output = spec.new_output
         self.sparse: Any = None
         self.rows_in: Any = None
+        # The knownrows systems' in-place buffer (whole rows) and the rows its caller knows
+        # (as an embedding knows the ids it looked up): found once, untimed.
+        self.known_buf = torch.empty_like(self.rows)
+        self.known = self.rows.ne(0).any(1).nonzero().squeeze(1)
 
     def reset_dense(self) -> None:
         self.buf.copy_(self.xt)
@@ -94,8 +98,17 @@ class _Case:
         result = worker.allreduce(s)
         return result.to_dense().view(-1)[: self.n] if self.sparse_io else result
 
+    def reset_known(self) -> None:
+        self.known_buf.copy_(self.rows)
+
+    def omnireduce_known(self, worker: Any) -> Any:
+        """``worker.allreduce`` of the dense rows in place, given their nonzero rows: no mask pass."""
+        return worker.allreduce(self.known_buf, rows=self.known, inplace=True)
+
     def result_of(self, system: str, result: Any) -> np.ndarray:
         """A system's result as a flat NumPy array (untimed)."""
+        if is_known(system):
+            result = result.reshape(-1)[: self.n]
         if (system == "gloo-sparse" or is_rows(system)) and not self.sparse_io:
             result = result.to_dense().view(-1)[: self.n]
         return result.numpy() if isinstance(result, self.torch.Tensor) else result
@@ -193,6 +206,8 @@ def _close(workers: list[Any], dist: Any) -> None:
 
 def _runner(case: _Case, system: str, worker: Any) -> tuple[Callable[[], Any], Callable[[], None] | None]:
     """The timed call of a system and what resets its input before each call."""
+    if worker is not None and is_known(system):  # gloo's dense input, its rows given
+        return (lambda: case.omnireduce_known(worker)), case.reset_known
     if worker is not None and is_rows(system):  # gloo-sparse's input, through omnireduce
         return (lambda: case.omnireduce_rows(worker)), case.reset_rows
     if worker is not None:  # one of the other omnireduce systems

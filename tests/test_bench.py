@@ -18,6 +18,7 @@ from bench.common import (
     SYSTEMS,
     format_table,
     is_colocated,
+    is_known,
     is_rows,
     make_tensor,
     parse_size,
@@ -178,11 +179,14 @@ def test_allreduce_benchmark_interleaved_modes(tmp_path) -> None:
 
 
 def test_system_kinds() -> None:
-    kinds = {s: (worker_mode(s), is_colocated(s), is_rows(s)) for s in SYSTEMS if s.startswith("omnireduce")}
+    kinds = {s: (worker_mode(s), is_colocated(s), is_rows(s), is_known(s)) for s in SYSTEMS
+             if s.startswith("omnireduce")}
     assert kinds == {
-        "omnireduce": ("sparse", False, False), "omnireduce-dense": ("dense", False, False),
-        "omnireduce-auto": ("auto", False, False), "omnireduce-colocated": ("sparse", True, False),
-        "omnireduce-rows": ("sparse", False, True), "omnireduce-rows-colocated": ("sparse", True, True),
+        "omnireduce": ("sparse", False, False, False), "omnireduce-dense": ("dense", False, False, False),
+        "omnireduce-auto": ("auto", False, False, False), "omnireduce-colocated": ("sparse", True, False, False),
+        "omnireduce-rows": ("sparse", False, True, False), "omnireduce-rows-colocated": ("sparse", True, True, False),
+        "omnireduce-knownrows": ("sparse", False, False, True),
+        "omnireduce-knownrows-colocated": ("sparse", True, False, True),
     }
 
 
@@ -195,7 +199,9 @@ def test_allreduce_benchmark_rows(tmp_path, flags: list[str]) -> None:
     # sparse out; checked against the dense sum), dedicated and co-located; two co-located
     # shards in one process (the IPC endpoints must differ).
     out = str(tmp_path / "out")
-    systems = ["gloo-sparse", "omnireduce-rows", "omnireduce-rows-colocated", "omnireduce-colocated"]
+    # The knownrows systems: the dense tensor in place, its nonzero rows given (no mask pass).
+    systems = ["gloo-sparse", "omnireduce-rows", "omnireduce-rows-colocated", "omnireduce-colocated",
+               "omnireduce-knownrows", "omnireduce-knownrows-colocated"]
     res = _bench("bench.allreduce", out, "--systems", *systems, "--no-plot", *flags)
     assert res.returncode == 0, res.stdout + res.stderr
     with open(os.path.join(out, "results.json")) as f:
@@ -204,13 +210,14 @@ def test_allreduce_benchmark_rows(tmp_path, flags: list[str]) -> None:
     assert all(r["ok"] is True and len(r["times"]) == 2 for r in rows), rows
     sent = {(r["system"], r["density"]): r["sent_fraction"] for r in rows if r["system"] != "gloo-sparse"}
     # Rows in: only the nonzero rows go out (20,000 elements: 79 rows, 4 of them at 5%).
-    assert sent[("omnireduce-rows", 0.05)] < 0.2 and sent[("omnireduce-rows-colocated", 0.05)] < 0.2
+    assert all(sent[(s, 0.05)] < 0.2 for s in systems[1:] if s != "omnireduce-colocated"), sent
     assert all(r["skew"] == (1.1 if "--skew" in flags else 0.0) for r in rows)
     # The union every rank received, at least what one rank sent.
     union = {r["system"]: r["union_fraction"] for r in rows if r["density"] == 0.05 and r["system"] != "gloo-sparse"}
     assert all(sent[(s, 0.05)] <= u <= 0.2 for s, u in union.items()), (union, sent)
     shards = {r["system"]: r["shards"] for r in rows}
-    assert shards["omnireduce-rows"] == 1 and shards["omnireduce-rows-colocated"] == 2
+    assert shards["omnireduce-rows"] == shards["omnireduce-knownrows"] == 1
+    assert shards["omnireduce-rows-colocated"] == shards["omnireduce-knownrows-colocated"] == 2
 
 
 def test_topology_rejects_addresses_outside_the_benchmark_range() -> None:

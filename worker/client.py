@@ -30,6 +30,7 @@ from omnireduce.layout import Layout
 from worker.auto import PathChooser
 from worker.connection import Connection
 from worker.cuda import CudaOpData, is_cuda_tensor
+from worker.knownrows import KnownRows, KnownRowsOpData, known_rows
 from worker.loop import CommLoop
 from worker.op import OpRequest, check_destination
 from worker.rows import RowsOpData, is_rows, rows_op_data
@@ -161,6 +162,7 @@ class Worker(SettingsView):
         weight: float | None = None,
         compute_time: float | None = None,
         key: Any = None,
+        rows: Any = None,
     ) -> Future:
         """Starts a sum over all workers of the job; returns a future of the result.
 
@@ -187,6 +189,13 @@ class Worker(SettingsView):
                 this worker's last op finished.
             key: in auto mode, what identifies this tensor from op to op (its
                 density history); default its length and dtype.
+            rows: for a dense CPU tensor, the indices of its rows (first dimension)
+                that may be nonzero, e.g. the ids an embedding looked up this step:
+                only they are read and sent, each row one block, with no pass over
+                the tensor (see :mod:`worker.knownrows`). Rows not listed are taken
+                as zero without being read. The sum is dense (``x``'s type and
+                shape), also with ``inplace`` or ``out``. Every worker of the op
+                must give ``rows`` (their own), or none.
 
         Returns:
             A future of an array or tensor of ``x``'s type, shape and dtype.
@@ -198,9 +207,17 @@ class Worker(SettingsView):
         for name, v, positive in (("weight", weight, True), ("compute_time", compute_time, False)):
             if v is not None:
                 config.check_number(name, v, positive=positive)
-        data: CudaOpData | RowsOpData | None = None
+        data: CudaOpData | RowsOpData | KnownRowsOpData | None = None
         layout: Layout | None = None
-        if is_rows(x):
+        if rows is not None and not isinstance(x, KnownRows):
+            x = known_rows(x, rows, inplace, out, self.world_size)
+            inplace, out = False, None
+        if isinstance(x, KnownRows):  # rows= given, or a sharded op's part of such an op
+            data = KnownRowsOpData(x)
+            flat, dtype, length = None, data.dtype, data.length
+            restore = data.restore
+            layout = data.layout()
+        elif is_rows(x):
             data = rows_op_data(x, inplace, out)
             flat, dtype, length = None, data.dtype, data.length
             restore = data.restore

@@ -187,6 +187,8 @@ class WorkerOp:
         self.batches: list[float] | None = None
         # A device tensor's data path (worker.cuda.CudaOpData): its mask, blocks and output live there.
         self._data = data
+        # Where the sums go holds this rank's own blocks already (in place): a block only it sent is not written.
+        self._holds_own = bool(getattr(data, "holds_own", False)) if data is not None else inplace
         # The nonzero blocks, where the data path knows them without a mask (rows ops).
         known: np.ndarray | None = getattr(data, "block_ids", None)
         mask: np.ndarray | None = None
@@ -345,7 +347,7 @@ class WorkerOp:
                 )
             if len(part):
                 self._scatter(part, payload)
-        if len(own) and (self._data is not None or self.out is not self.flat):
+        if len(own) and not self._holds_own:
             # In place, the input already holds them.
             self._scatter(own, self._sent[: nfull * b].reshape(nfull, b)[where].reshape(-1))
         self.stats.blocks_received += k - len(own)

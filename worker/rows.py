@@ -29,7 +29,10 @@ from omnireduce.errors import ConfigError
 from omnireduce.layout import Layout
 from worker.tensors import from_storage, is_torch, to_flat
 
-__all__ = ["ROWS_MESSAGE_BYTES", "SparseRows", "RowsOpData", "is_rows", "is_sparse_torch", "rows_op_data"]
+__all__ = [
+    "ROWS_MESSAGE_BYTES", "RowBlocks", "SparseRows", "RowsOpData", "is_rows", "is_sparse_torch", "rows_layout",
+    "rows_op_data",
+]
 
 #: Payload bytes a rows op's message carries at most (the aggregator refuses frames over
 #: 64 MiB by default); fewer, larger messages cut the fixed cost of a sparse op.
@@ -278,7 +281,31 @@ class RowPieces:
         return _placed(pieces, shard_of, len(results), num_rows, shape, results[0].chunk)
 
 
-class RowsOpData:
+class RowBlocks:
+    """What the data paths whose blocks are rows share: ``x.rows`` (of ``x.num_rows``) are the
+    nonzero blocks, each ``block_size`` elements, one column per row (:func:`rows_layout`)."""
+
+    x: Any
+    block_size: int
+    dtype: DType
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        """The nonzero blocks, ascending: the given rows (one row per block)."""
+        return self.x.rows
+
+    @property
+    def mask(self) -> np.ndarray:
+        mask = np.zeros(self.x.num_rows, dtype=np.bool_)
+        mask[self.x.rows] = True
+        return mask
+
+    def layout(self) -> Layout:
+        """The op's layout (:func:`rows_layout`)."""
+        return rows_layout(self.x.num_rows, self.block_size, self.dtype)
+
+
+class RowsOpData(RowBlocks):
     """The data path of an allreduce of :class:`SparseRows`: where :class:`worker.op.WorkerOp`
     gets its mask and blocks (the given rows) and puts the results (the summed rows).
 
@@ -301,29 +328,6 @@ class RowsOpData:
         self._values = np.ascontiguousarray(x.values).reshape(len(x.rows), x.row_width)
         self._ids: list[np.ndarray] = []
         self._payloads: list[np.ndarray] = []
-
-    @property
-    def block_ids(self) -> np.ndarray:
-        """The nonzero blocks, ascending: the given rows (a rows op has one row per block)."""
-        return self.x.rows
-
-    @property
-    def mask(self) -> np.ndarray:
-        mask = np.zeros(self.x.num_rows, dtype=np.bool_)
-        mask[self.x.rows] = True
-        return mask
-
-    def layout(self) -> Layout:
-        """The op's layout, from the row count and width alone (every rank computes the same).
-
-        One column per row, so the op is eager (every nonzero row moves with the
-        START, one round trip whatever the density); as few streams as keep a
-        message's payload within :data:`ROWS_MESSAGE_BYTES`.
-        """
-        rows = max(1, self.x.num_rows)
-        per_message = max(1, ROWS_MESSAGE_BYTES // (self.block_size * self.dtype.itemsize))
-        streams = -(-rows // per_message)
-        return Layout(self.length, self.block_size, -(-rows // streams), streams)
 
     def gather(self, ids: np.ndarray, layout: Layout) -> np.ndarray:
         """The rows ``ids`` (all of them stored here) as one payload, a view where they are consecutive."""
@@ -369,6 +373,19 @@ class RowsOpData:
             return RowPieces(pieces, self.x)
         result = self.finish()
         return result if self.sparse_dim is None else result.to_torch(self.sparse_dim)
+
+
+def rows_layout(num_rows: int, width: int, dtype: DType) -> Layout:
+    """The layout of an op whose blocks are rows, from the row count and width alone (every rank computes the same).
+
+    One column per row, so the op is eager (every nonzero row moves with the
+    START, one round trip whatever the density); as few streams as keep a
+    message's payload within :data:`ROWS_MESSAGE_BYTES`.
+    """
+    rows = max(1, num_rows)
+    per_message = max(1, ROWS_MESSAGE_BYTES // (width * dtype.itemsize))
+    streams = -(-rows // per_message)
+    return Layout(num_rows * width, width, -(-rows // streams), streams)
 
 
 def is_rows(x: Any) -> bool:

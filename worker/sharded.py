@@ -56,6 +56,7 @@ from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClose
 from omnireduce.layout import shard_eager_pieces
 from worker.client import Worker
 from worker.cuda import check_cuda_torch_dtype, is_cuda_tensor
+from worker.knownrows import KnownRows, known_rows
 from worker.loop import CommLoop
 from worker.op import LAZY_ZEROS_BYTES, check_destination, lazy_zeros, pages_written
 from worker.rows import RowPieces, ShardChunk, SparseRows, is_rows, rows_op_data
@@ -271,11 +272,19 @@ class ShardedWorker(SettingsView):
             ConfigError: ``x`` is not supported, or ``inplace``/``out`` do not fit it.
             WorkerClosedError: the worker is closed, or a shard refused an earlier op.
         """
+        rows = kwargs.pop("rows", None)
+        if rows is not None:
+            x = known_rows(x, rows, inplace, out, self.world_size)
         parts, key = self._parts_for(x, kwargs)
         device = False
-        if is_rows(x):
-            chunks, finish = self._split_rows(x, inplace, out, parts)
+        if isinstance(x, KnownRows):
+            # Each shard's part reads and writes its rows through a strided view: nothing to join.
+            chunks = x.deal(parts)
             chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
+            finish: Any = lambda _results, x=x: x.result()  # noqa: E731
+        elif is_rows(x):
+            chunks, finish = self._split_rows(x, inplace, out, parts)
+            chunk_kwargs = [{} for _ in chunks]
         elif is_cuda_tensor(x):
             device = True
             chunks, finish = self._split_cuda(x, inplace, out, parts)
@@ -378,7 +387,8 @@ class ShardedWorker(SettingsView):
             return nshards, None  # not a tensor: the split raises the error naming its type
         # No history without a key: ops of one size may be meant to run at once (DDP
         # buckets of equal size), and the next must not wait for the last.
-        key = None if kwargs.get("key") is None else (is_rows(x), nbytes, kwargs["key"])
+        kind = "known" if isinstance(x, KnownRows) else is_rows(x)
+        key = None if kwargs.get("key") is None else (kind, nbytes, kwargs["key"])
         expected = nbytes if key is None else nbytes * self._last_density(key)
         return max(1, min(nshards, math.ceil(expected / self.shard_bytes))), key
 
@@ -525,6 +535,8 @@ def _dense_bytes(x: Any) -> int | None:
         return int(x.nbytes)
     if isinstance(x, SparseRows):
         return int(x.num_rows) * int(x.row_width) * int(x.values.dtype.itemsize)
+    if isinstance(x, KnownRows):
+        return x.nbytes
     if is_torch(x):
         return int(x.numel()) * int(x.element_size())
     return None

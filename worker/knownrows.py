@@ -1,0 +1,194 @@
+"""Dense tensors whose nonzero rows the caller knows: rows in, no mask pass, a dense sum out.
+
+A model whose embedding gradients are dense (``nn.Embedding(sparse=False)``) still
+knows which rows a step touched: the ids it looked up. ``allreduce(x, rows=ids)``
+takes that set instead of scanning the tensor for it: each listed row of ``x`` is
+one block (as in :mod:`worker.rows`), only those rows are read and sent, and the
+union of every rank's rows comes back summed into a dense result of ``x``'s type
+and shape, or into ``x`` itself (``inplace=True``) or ``out``. The op costs what
+its rows do, not what the whole tensor does.
+
+The caller's promise is that the rows not listed are zero: they are not read, so a
+nonzero value there is left out of the sum. In a new result (or ``out``) every row
+outside the union is zero; in place, such rows are not written at all.
+
+On a sharded worker the rows are dealt round-robin as a sparse tensor's are (row
+``r`` to shard ``r % S``). Each shard's part reads and writes its rows through a
+strided view of the tensor (every ``S``-th row), so the shards' sums land straight
+in the result, with no join.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from omnireduce import blocks
+from omnireduce.dtypes import DType
+from omnireduce.errors import ConfigError
+from omnireduce.layout import Layout
+from worker.op import check_destination, lazy_zeros, pages_written
+from worker.rows import RowBlocks, SparseRows
+from worker.tensors import is_torch, shares_memory, to_flat
+
+__all__ = ["KnownRows", "KnownRowsOpData", "known_rows"]
+
+
+class KnownRows:
+    """Rows of a dense tensor to sum (the caller's nonzero rows) and where their sums go.
+
+    Built by :func:`known_rows`; :meth:`deal` makes a sharded op's parts. Internal to
+    the workers: callers pass ``rows=`` to ``allreduce``.
+
+    Args:
+        source: the tensor's rows, ``(num_rows, width)``, a view of the input.
+        dest: where the sums go, ``(num_rows, width)``: the input itself in place.
+        rows: the rows to send: int64, strictly increasing, within ``num_rows``.
+        dtype: the wire type.
+        holds_own: ``dest`` already holds this rank's rows (in place): a row that only
+            this rank sent sums to itself and need not be written.
+        result: the caller's result, once every part is summed into ``dest``.
+    """
+
+    __slots__ = ("source", "dest", "rows", "dtype", "holds_own", "_result")
+
+    def __init__(self, source: np.ndarray, dest: np.ndarray, rows: np.ndarray, dtype: DType, holds_own: bool,
+                 result: Any = None) -> None:
+        self.source = source
+        self.dest = dest
+        self.rows = rows
+        self.dtype = dtype
+        self.holds_own = holds_own
+        self._result = result
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.source.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.source.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """The dense tensor's bytes (what a sharded worker sizes an op from)."""
+        return self.num_rows * self.width * self.dtype.itemsize
+
+    def result(self) -> Any:
+        """The caller's result: the input itself in place, else the dense sum in the input's type and shape."""
+        return self._result
+
+    def deal(self, parts: int) -> list[KnownRows]:
+        """The rows dealt round-robin: row ``r`` becomes row ``r // parts`` of part ``r % parts``.
+
+        Each part reads and writes every ``parts``-th row of the tensor through a
+        strided view, so nothing is copied here and nothing is joined afterwards.
+        """
+        if parts == 1:
+            return [self]
+        shard = self.rows % parts
+        edges = np.zeros(parts + 1, dtype=np.int64)
+        np.cumsum(np.bincount(shard, minlength=parts), out=edges[1:])
+        # Grouped by part, rows ascending within each (a stable sort on small keys).
+        order = np.argsort(shard.astype(np.uint16 if parts <= 1 << 16 else np.int64), kind="stable")
+        local = self.rows[order] // parts
+        return [
+            KnownRows(self.source[k::parts], self.dest[k::parts], local[edges[k]: edges[k + 1]], self.dtype,
+                      self.holds_own)
+            for k in range(parts)
+        ]
+
+
+def known_rows(x: Any, rows: Any, inplace: bool = False, out: np.ndarray | None = None,
+               world_size: int = 2) -> KnownRows:
+    """Checks an allreduce of ``x`` with its nonzero ``rows`` and sets up where the sum goes.
+
+    Args:
+        x: a NumPy array or a CPU torch tensor of at least one dimension, of a
+            supported dtype; its rows are its first dimension.
+        rows: the indices of ``x``'s rows that may be nonzero: a 1-D integer NumPy
+            array, torch tensor or sequence, in any order, repeats allowed.
+        inplace: write the sum into ``x`` (a contiguous, writeable tensor).
+        out: a zero-filled, writeable, flat NumPy array of ``x``'s length and storage
+            type to write the sum into.
+        world_size: the op's workers (sizes a new result's lazily zeroed pages).
+
+    Raises:
+        ConfigError: ``x`` or ``rows`` are not supported, a row is out of range, or
+            ``inplace``/``out`` do not fit ``x``.
+    """
+    if isinstance(x, SparseRows) or (is_torch(x) and x.is_sparse):
+        raise ConfigError("rows= is for dense tensors; a sparse tensor's rows are its indices already")
+    flat, dtype, restore = to_flat(x)
+    shape = tuple(x.shape) if hasattr(x, "shape") else ()
+    if len(shape) < 1:
+        raise ConfigError("rows= needs a tensor of at least one dimension (its rows are the first)")
+    check_destination(flat, dtype, inplace, out)
+    if inplace and not shares_memory(x, flat):
+        raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
+    num_rows = shape[0]
+    width = math.prod(shape[1:])
+    ids = _row_ids(rows, num_rows)
+    if width == 0:
+        ids = ids[:0]  # rows of no elements: nothing to send
+    source = flat.reshape(num_rows, width)
+    if inplace:
+        return KnownRows(source, source, ids, dtype, True, x)
+    if out is None:
+        own = len(ids) / num_rows if num_rows else 0.0
+        written = pages_written(own, world_size, width * dtype.itemsize)
+        out = lazy_zeros(len(flat), np.dtype(dtype.storage), written)
+    return KnownRows(source, out.reshape(num_rows, width), ids, dtype, False, restore(out))
+
+
+def _row_ids(rows: Any, num_rows: int) -> np.ndarray:
+    """``rows`` as int64 row indices, strictly increasing (sorted, repeats dropped), checked against ``num_rows``."""
+    if is_torch(rows):
+        if rows.device.type != "cpu" or rows.is_sparse:
+            raise ConfigError(f"rows= must be a dense CPU tensor of indices, got a {rows.layout} one on {rows.device}")
+        rows = rows.detach().numpy()
+    arr = np.asarray(rows)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ConfigError(f"rows= must be a 1-D array of integer row indices, got shape {arr.shape} of {arr.dtype}")
+    ids = np.unique(arr.astype(np.int64, copy=False))
+    if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= num_rows):
+        bad = int(ids[0]) if int(ids[0]) < 0 else int(ids[-1])
+        raise ConfigError(f"rows= holds row {bad}, outside the tensor's {num_rows} rows")
+    return ids
+
+
+class KnownRowsOpData(RowBlocks):
+    """The data path of an allreduce of :class:`KnownRows` (see :class:`worker.rows.RowsOpData`,
+    whose interface it shares): the given rows are the blocks, read from the tensor and
+    summed into the destination.
+
+    Args:
+        x: the rows and their destination.
+    """
+
+    out = None  # the sums are written into x.dest by scatter(), not into an array of the op
+
+    def __init__(self, x: KnownRows) -> None:
+        self.x = x
+        self.dtype: DType = x.dtype
+        self.block_size = x.width
+        self.length = x.num_rows * x.width
+        #: The destination holds this rank's rows already: its own blocks are not written back.
+        self.holds_own = x.holds_own
+
+    def gather(self, ids: np.ndarray, layout: Layout) -> np.ndarray:
+        """The rows ``ids`` as one payload: a view of the tensor where they are consecutive rows of
+        contiguous memory (the caller leaves the input alone until the op completes), else a copy."""
+        first = blocks.contiguous_start(ids)
+        if first is not None and self.x.source.flags.c_contiguous:
+            return self.x.source[first : first + len(ids)].reshape(-1)
+        return self.x.source.take(ids, axis=0).reshape(-1)
+
+    def scatter(self, ids: np.ndarray, payload: np.ndarray, layout: Layout) -> None:
+        self.x.dest[ids] = payload.reshape(len(ids), self.block_size)
+
+    def restore(self, _out: Any) -> Any:
+        """The caller's result (see :meth:`KnownRows.result`); None for a sharded op's part."""
+        return self.x.result()

@@ -184,7 +184,8 @@ class KnownRowsOpData(RowBlocks):
         first = blocks.contiguous_start(ids)
         if first is not None and self.x.source.flags.c_contiguous:
             return self.x.source[first : first + len(ids)].reshape(-1)
-        return self.x.source.take(ids, axis=0).reshape(-1)
+        # Indexing, not take(): take() of a strided view (a shard's part) copies the whole view first.
+        return self.x.source[ids].reshape(-1)
 
     def scatter(self, ids: np.ndarray, payload: np.ndarray, layout: Layout) -> None:
         self.x.dest[ids] = payload.reshape(len(ids), self.block_size)

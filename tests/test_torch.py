@@ -99,6 +99,34 @@ def test_weighted_gradients_equal_the_global_batch_gradient(agg, tmp_path, world
         assert gap > 1e-3
 
 
+@pytest.mark.parametrize("case", ["rows", "rows_buckets"])
+def test_hook_sends_tracked_embedding_rows_and_matches_gloo(agg, tmp_path, case: str) -> None:
+    # "rows": one bucket (the table and the MLP), a 100,000-row table of which a step looks up
+    # at most 64 rows; "rows_buckets": 1 kB buckets (the MLP's parameters apart from the
+    # table's) and gradients accumulated over two forwards (no_sync), 3 ranks.
+    world = 2 if case == "rows" else 3
+    results = run_procs("ddp_case", world, tmp_path, agg.address, case)
+    for res in results:
+        assert res["error"] is None and res["tables"] == ["module.emb"] and not res["dropped"]
+        assert res["rows_buckets"] >= 4, res
+        torch.testing.assert_close(res["got"], res["expected"])
+        torch.testing.assert_close(res["got"], results[0]["got"], rtol=0, atol=0)
+    if case == "rows":
+        stats = results[0]["stats"]
+        # Only the looked-up rows were read: the mask pass over 1.6M elements never ran, and
+        # the bytes are those of at most 64 rows (+ the MLP) a step.
+        assert stats["bytes_sent"] < 0.01 * stats["dense_bytes"], stats
+
+
+def test_a_table_read_outside_its_lookups_is_dropped_and_still_matches_gloo(agg, tmp_path) -> None:
+    results = run_procs("ddp_case", 2, tmp_path, agg.address, "rows_misused")
+    for res in results:
+        # The first step's check finds gradient rows outside the ids: the table goes by the
+        # mask pass from then on, on every rank alike, and the result stays gloo's.
+        assert res["error"] is None and res["dropped"] == ["module.emb"] and res["rows_buckets"] == 0, res
+        torch.testing.assert_close(res["got"], res["expected"])
+
+
 def test_hook_traffic_is_a_fraction_of_dense(agg, tmp_path) -> None:
     (res, _) = run_procs("ddp_case", 2, tmp_path, agg.address, "traffic")
     stats = res["stats"]

@@ -45,9 +45,16 @@ def batch(
     return idx, offsets, y
 
 
-def _model(unused: bool = False, vocab: int = VOCAB) -> ClickModel:
+class MisusedClickModel(ClickModel):
+    """Its table's weight is also read outside its lookups: gradients outside the looked-up rows."""
+
+    def forward(self, idx: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx, offsets) + self.emb.weight[:5].sum() * 0.01
+
+
+def _model(unused: bool = False, vocab: int = VOCAB, misused: bool = False) -> ClickModel:
     torch.manual_seed(0)
-    return ClickModel(unused, vocab)
+    return (MisusedClickModel if misused else ClickModel)(unused, vocab)
 
 
 def _loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
@@ -83,10 +90,12 @@ def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> 
 
     unused = case == "unused"
     # A recommender-sized table for the traffic case: a step touches 64 of its rows.
-    vocab = 100_000 if case == "traffic" else VOCAB
-    kwargs: dict[str, Any] = dict(bucket_cap_mb=0.001 if case == "buckets" else 25, find_unused_parameters=unused)
-    ref = DDP(_model(unused, vocab), **kwargs)
-    ours = DDP(_model(unused, vocab), **kwargs)
+    vocab = 100_000 if case in ("traffic", "rows") else VOCAB
+    misused = case == "rows_misused"
+    small = case in ("buckets", "rows_buckets")
+    kwargs: dict[str, Any] = dict(bucket_cap_mb=0.001 if small else 25, find_unused_parameters=unused)
+    ref = DDP(_model(unused, vocab, misused), **kwargs)
+    ours = DDP(_model(unused, vocab, misused), **kwargs)
     if address == "colocated":
         # Every rank serves one aggregator shard: no daemon, addresses over the gloo group.
         from worker.colocated import ColocatedWorker, torch_exchange
@@ -105,11 +114,19 @@ def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> 
             ours.register_comm_hook(state, cast_wrapper(torch.bfloat16, omnireduce_hook))
         else:
             ours.register_comm_hook(state, omnireduce_hook)
-        accumulate = case == "no_sync"
+        tables: list[str] = []
+        if case.startswith("rows"):
+            from worker.embedding_rows import track_embedding_rows
+
+            # The embedding's gradient goes out as the rows each step looked up (no mask pass).
+            tables = track_embedding_rows(state, ours, verify_every=2)
+        accumulate = case in ("no_sync", "rows_buckets")
         expected = _train_ddp(ref, rank, steps, accumulate)
         got = _train_ddp(ours, rank, steps, accumulate)
         stats = w.stats.total.as_dict()
-    return {"expected": expected, "got": got, "stats": stats, "buckets": state.buckets, "error": state.error}
+    rows = state.rows
+    return {"expected": expected, "got": got, "stats": stats, "buckets": state.buckets, "error": state.error,
+            "tables": tables, "rows_buckets": rows.buckets if rows else 0, "dropped": rows.dropped if rows else []}
 
 
 def reducer_case(rank: int, world: int, address: str, steps: int = 4) -> dict[str, Any]:

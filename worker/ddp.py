@@ -25,6 +25,7 @@ import torch.distributed as dist
 from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.api import Allreducer
 from worker.auto import MODES, PathChooser
+from worker.embedding_rows import Part, RowTracker
 from worker.futures import Settable
 from worker.rows import SparseRows
 
@@ -76,7 +77,7 @@ class OmniReduceState:
     """
 
     __slots__ = ("worker", "average", "samples", "dense_group", "mode", "paths", "error", "buckets", "_chooser",
-                 "_lock", "coalesce_sparse", "_held", "votes", "_agreed", "_kinds", "_last_kinds")
+                 "_lock", "coalesce_sparse", "_held", "votes", "_agreed", "_kinds", "_last_kinds", "rows")
 
     def __init__(
         self,
@@ -115,6 +116,9 @@ class OmniReduceState:
         # Bucket index -> whether it is sparse: this backward pass's so far, and the previous pass's.
         self._kinds: dict[int, bool] = {}
         self._last_kinds: dict[int, bool] | None = None
+        #: The dense embedding tables whose buckets go out as their looked-up rows
+        #: (:func:`worker.embedding_rows.track_embedding_rows` sets it).
+        self.rows: RowTracker | None = None
 
     def record(self, error: BaseException) -> None:
         with self._lock:
@@ -152,7 +156,7 @@ def complete_torch_future(
                 if out.numel() != target.numel():
                     # DDP does not check the result's size; a wrong one would corrupt silently.
                     raise OmniReduceError(f"result has {out.numel()} elements, expected {target.numel()}")
-                if out is not target:
+                if out is not target and out.data_ptr() != target.data_ptr():
                     target.copy_(out.view(target.shape))
                 value = target
         except BaseException as e:  # noqa: BLE001 - handed to the waiting backward()
@@ -214,6 +218,9 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
             _, basis = state._chooser.plan(key, buf.numel(), buf.element_size())
             _agree(state, key, "sparse", basis)
         return _failed(f"omnireduce {what} skipped after an earlier failure: {state.error}")
+    parts = state.rows.bucket_parts(bucket) if state.rows is not None else None
+    if parts is not None:
+        return _parts_bucket(state, buf, what, parts)
     path = state.mode
     if state._chooser is not None:
         path, basis = state._chooser.plan(key, buf.numel(), buf.element_size())
@@ -250,6 +257,59 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
         # recorded before DDP can start the next step (and choose again).
         source.add_done_callback(measured)
     return complete_torch_future(source, buf, what, state)
+
+
+def _parts_bucket(state: OmniReduceState, buf: torch.Tensor, what: str,
+                  parts: list[Part]) -> torch.futures.Future[torch.Tensor]:
+    """A bucket holding tracked embedding tables (:mod:`worker.embedding_rows`): each run of
+    tables is a rows op (only its looked-up rows are read, divided and sent), the rest of the
+    bucket one dense op; the bucket is complete once every op is."""
+    world = state.worker.world_size
+    weight = state.samples
+    divide = weight is None and state.average and world > 1
+    sources = []
+    try:
+        for part in parts:
+            if part.rows is None:
+                if divide:
+                    part.view.div_(world)
+                sources.append(state.worker.allreduce_async(part.view, inplace=True, weight=weight))
+                continue
+            if divide:
+                # Only these rows: the others are zero (what the tracking rests on).
+                idx = torch.from_numpy(part.rows)
+                part.view.index_copy_(0, idx, part.view.index_select(0, idx).div_(world))
+            sources.append(state.worker.allreduce_async(part.view, rows=part.rows, inplace=True, weight=weight))
+    except BaseException as e:
+        state.record(e)
+        raise
+    state.buckets += 1
+    state.paths["sparse"] += 1
+    combined: ConcurrentFuture = ConcurrentFuture()
+    lock = threading.Lock()
+    left = [len(sources)]
+
+    def done(part: Part, src: ConcurrentFuture) -> None:
+        error = src.exception()
+        if error is None and part.pieces:
+            try:
+                part.copy_back()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting backward()
+                logger.exception("could not copy a summed part of DDP bucket back")
+                error = e
+        with lock:
+            if combined.done():
+                return  # failed already: the first error wins
+            if error is not None:
+                combined.set_exception(error)
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                combined.set_result(buf)
+
+    for part, src in zip(parts, sources, strict=True):
+        src.add_done_callback(lambda f, part=part: done(part, f))
+    return complete_torch_future(combined, buf, what, state)
 
 
 def _agree(state: OmniReduceState, key: Any, path: str, basis: int | None) -> str:

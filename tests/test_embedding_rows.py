@@ -1,0 +1,132 @@
+"""worker.embedding_rows: which tables are tracked, and how a bucket is planned (stand-in buckets)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from omnireduce import ConfigError  # noqa: E402
+from worker.ddp import OmniReduceState, omnireduce_hook  # noqa: E402
+from worker.embedding_rows import RowTracker, track_embedding_rows  # noqa: E402
+
+
+class _Worker:
+    """One rank alone: every allreduce returns its input; the calls are recorded."""
+
+    rank, world_size, block_size, message_blocks, streams = 0, 1, 256, 4096, 8
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, Any]] = []
+
+    def allreduce_async(self, x: Any, rows: Any = None, **_: Any) -> Future:
+        self.calls.append((x, None if rows is None else np.asarray(rows).copy()))
+        f: Future = Future()
+        f.set_result(x)
+        return f
+
+
+class _Bucket:
+    """A DDP bucket of ``params``, their gradients laid one after the other in one buffer."""
+
+    def __init__(self, params: list[Any], index: int = 0) -> None:
+        self._params = params
+        self._buffer = torch.cat([p.grad.reshape(-1) for p in params])
+        self._grads, at = [], 0
+        for p in params:
+            self._grads.append(self._buffer[at : at + p.numel()].view_as(p))
+            at += p.numel()
+        self._index = index
+
+    def buffer(self) -> Any:
+        return self._buffer
+
+    def parameters(self) -> list[Any]:
+        return self._params
+
+    def gradients(self) -> list[Any]:
+        return self._grads
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return True
+
+
+class _Model(nn.Module):
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Embedding(20, 4)
+        self.b = nn.EmbeddingBag(30, 4, mode="sum")
+        self.c = nn.Embedding(10, 3)
+        self.sparse = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 20, bias=False)
+        if tied:
+            self.head.weight = self.a.weight
+
+    def forward(self, i: Any) -> Any:
+        x = self.a(i) + self.b(i.view(1, -1)) + self.c(i)[:, :1] + self.sparse(i % 10)
+        return self.head(x).sum()
+
+
+def test_tracks_dense_tables_that_no_other_module_holds() -> None:
+    assert track_embedding_rows(OmniReduceState(_Worker()), _Model()) == ["a", "b", "c"]
+    # A tied output projection gets gradients for every row: its table is not tracked.
+    assert track_embedding_rows(OmniReduceState(_Worker()), _Model(tied=True)) == ["b", "c"]
+    with pytest.raises(ConfigError, match="sparse mode only"):
+        track_embedding_rows(OmniReduceState(_Worker(), mode="auto", dense_group=object()), _Model())
+    with pytest.raises(ConfigError, match="verify_every"):
+        RowTracker(verify_every=-1)
+
+
+def test_a_bucket_goes_as_runs_of_tables_and_one_dense_op() -> None:
+    model = _Model()
+    w = _Worker()
+    state = OmniReduceState(w, average=False)
+    track_embedding_rows(state, model)
+    with torch.no_grad():
+        model(torch.tensor([0, 1, 2, 3, 4]))  # not recorded: no gradients come of it
+    model(torch.tensor([2, 7, 7, 9])).backward()
+    # a and b are adjacent tables of width 4: one rows op; head's weight is between b and c
+    # (c is of width 3): c its own rows op, head the dense op.
+    bucket = _Bucket([model.a.weight, model.b.weight, model.head.weight, model.c.weight])
+    expected = bucket.buffer().clone()
+    assert omnireduce_hook(state, bucket).wait() is bucket.buffer()
+    kinds = [("rows" if rows is not None else "dense", tuple(x.shape)) for x, rows in w.calls]
+    assert kinds == [("rows", (50, 4)), ("rows", (10, 3)), ("dense", (80,))]
+    np.testing.assert_array_equal(w.calls[0][1], [2, 7, 9, 20 + 2, 20 + 7, 20 + 9])
+    np.testing.assert_array_equal(w.calls[1][1], [2, 7, 9])
+    assert torch.equal(bucket.buffer(), expected)
+    assert state.rows is not None and state.rows.buckets == 1
+    # The ids were consumed: a step without lookups sends no rows.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    w.calls.clear()
+    omnireduce_hook(state, _Bucket([model.a.weight, model.b.weight])).wait()
+    assert [len(rows) for _, rows in w.calls] == [0]
+
+
+def test_rows_are_averaged_and_a_table_with_gradients_elsewhere_is_dropped() -> None:
+    model = _Model()
+    w = _Worker()
+    w.world_size = 4
+    state = OmniReduceState(w)
+    track_embedding_rows(state, model, verify_every=1)
+    model(torch.tensor([1, 5])).backward()
+    with torch.no_grad():
+        model.c.weight.grad[8] = 1.0  # a gradient the lookups do not explain
+    bucket = _Bucket([model.a.weight, model.c.weight])
+    before = bucket.buffer().clone()
+    omnireduce_hook(state, bucket).wait()
+    # a: its looked-up rows divided by the world size (the only nonzero ones); c is dropped
+    # after its check and goes with the dense op, divided whole.
+    assert [rows is None for _, rows in w.calls] == [False, True]
+    torch.testing.assert_close(bucket.buffer(), before / 4)
+    assert state.rows is not None and state.rows.dropped == ["c"] and state.rows.tables == ["a", "b"]

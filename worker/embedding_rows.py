@@ -1,0 +1,236 @@
+"""Dense embedding gradients sent as the rows each step looked up (the DDP hook's ``rows=`` path).
+
+An ``nn.Embedding(sparse=False)`` gives a dense gradient (what Adam and most optimizers
+want) that is zero outside the rows the step looked up. :func:`track_embedding_rows`
+records those ids with a forward hook on every such table of a model; the DDP hook
+then sends each run of adjacent tracked tables (of one width) in a bucket as
+``allreduce(view, rows=...)`` of their gradients: only the looked-up rows are read and
+sent, with no mask pass over the tables (:mod:`worker.knownrows`). The bucket's other
+parameters go out as one dense op beside them (the mask pass over those alone).
+
+The promise it rests on: a tracked table's gradient is zero outside the ids looked up
+through it. A weight used elsewhere too (tied to an output projection, or read with
+``F.embedding``/``F.linear`` directly) breaks it. Tables whose weight another module
+holds are not tracked; every ``verify_every``-th use of a bucket (the first included)
+checks each table's gradient against its ids with a pass over it, and a table that fails
+is no longer tracked on that rank (logged): its bucket takes the mask pass from then on.
+Ranks that disagree on this fail that op on every rank (``MismatchError``), so the
+result is never silently wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from omnireduce.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Part", "RowTracker", "track_embedding_rows"]
+
+#: A bucket of tracked tables is checked against its ids at its first use and every this many after.
+DEFAULT_VERIFY_EVERY = 100
+
+
+class RowTracker:
+    """The ids each tracked embedding table looked up since its gradients were last sent.
+
+    Args:
+        verify_every: check a bucket's tables against their ids (a pass over their
+            gradients) at the bucket's first use and every this many uses after; 0 never.
+    """
+
+    def __init__(self, verify_every: int = DEFAULT_VERIFY_EVERY) -> None:
+        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+            raise ConfigError(f"verify_every must be a non-negative integer, got {verify_every!r}")
+        self.verify_every = verify_every
+        self._lock = threading.Lock()
+        # Parameter (by id) -> the ids looked up through it since its bucket last went out.
+        self._ids: dict[int, list[torch.Tensor]] = {}
+        self._names: dict[int, str] = {}
+        self._uses: dict[int, int] = {}
+        #: Buckets sent as rows, and the tables dropped after a failed check.
+        self.buckets = 0
+        self.dropped: list[str] = []
+
+    @property
+    def tables(self) -> list[str]:
+        """The names of the tables tracked."""
+        return list(self._names.values())
+
+    def track(self, name: str, module: nn.Module) -> None:
+        """Records the ids ``module`` (an embedding) looks up whenever gradients are on."""
+        weight = module.weight
+        key = id(weight)
+        self._ids[key] = []
+        self._names[key] = name
+
+        def looked_up(_module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
+            if torch.is_grad_enabled() and key in self._ids:
+                with self._lock:
+                    self._ids[key].append(args[0].detach().reshape(-1))
+
+        module.register_forward_hook(looked_up)
+
+    def bucket_parts(self, bucket: dist.GradBucket) -> list[Part] | None:
+        """How a bucket holding tracked tables goes out, or None if it holds none (or is not a
+        contiguous CPU buffer). Consumes the tables' ids.
+
+        Returns:
+            The bucket's ops, in buffer order (every rank plans the same ones): each run of
+            adjacent tracked tables of one width as a rows op on their gradients' view, and
+            the rest of the bucket as one dense op.
+        """
+        buf = bucket.buffer()
+        if buf.is_sparse or buf.device.type != "cpu" or not buf.is_contiguous() or buf.dim() != 1:
+            return None
+        params = bucket.parameters()
+        if not any(id(p) in self._ids for p in params):
+            return None
+        with self._lock:
+            # Consumed here, whichever way the bucket goes.
+            looked_up = {id(p): self._ids[id(p)] for p in params if id(p) in self._ids}
+            for k in looked_up:
+                self._ids[k] = []
+        base, size = buf.data_ptr(), buf.element_size()
+        segments = sorted(((g.data_ptr() - base) // size, g.numel(), p) for p, g in zip(
+            params, bucket.gradients(), strict=True))
+        # Counted per set of tables: DDP rebuilds its buckets after the first step.
+        group = tuple(looked_up)
+        uses = self._uses.get(group, 0)
+        self._uses[group] = uses + 1
+        check = self.verify_every > 0 and uses % self.verify_every == 0
+        parts: list[Part] = []
+        dense: list[torch.Tensor] = []
+        for offset, numel, p in segments:
+            grad = buf[offset : offset + numel]
+            if id(p) not in looked_up or p.dim() != 2 or p.shape[1] == 0:
+                dense.append(grad)
+                continue
+            width = p.shape[1]
+            seen = looked_up[id(p)]
+            ids = np.unique(torch.cat(seen).cpu().numpy()) if seen else np.empty(0, dtype=np.int64)
+            view = grad.view(-1, width)
+            if check and not self._verify(view, ids, p, bucket):
+                dense.append(grad)
+                continue
+            last = parts[-1] if parts else None
+            if (last is not None and last.rows is not None and last.view.shape[1] == width
+                    and last.end == offset):
+                # Adjacent to the run before, of the same width: one op for both.
+                first = last.view.shape[0]
+                last.view = buf[last.start : offset + numel].view(-1, width)
+                last.rows = np.concatenate([last.rows, ids + first])
+                last.end = offset + numel
+            else:
+                parts.append(Part(view, ids, offset, offset + numel))
+        if not parts:
+            return None  # every table dropped: the whole bucket takes the mask pass
+        if dense:
+            parts.append(Part.dense_of(dense, buf))
+        self.buckets += 1
+        return parts
+
+    def _verify(self, view: torch.Tensor, ids: np.ndarray, p: torch.Tensor, bucket: dist.GradBucket) -> bool:
+        """Whether every nonzero row of table ``p``'s gradient is among its ``ids``; if not, it is dropped."""
+        nonzero = view.ne(0).any(1).nonzero().squeeze(1).numpy()
+        outside = np.setdiff1d(nonzero, ids, assume_unique=True)
+        if not len(outside):
+            return True
+        with self._lock:
+            name = self._names.pop(id(p))
+            del self._ids[id(p)]
+            self.dropped.append(name)
+        logger.warning(
+            "DDP bucket %d: %d nonzero gradient rows of embedding %s outside the ids looked up through it (its "
+            "weight used elsewhere too, e.g. tied?); it is sent with a mask pass from now on",
+            bucket.index(), len(outside), name,
+        )
+        return False
+
+
+class Part:
+    """One op of a bucket planned by :meth:`RowTracker.bucket_parts`.
+
+    Args:
+        view: a rows op's ``(n, width)`` view of the bucket (its tables' gradients), or a
+            dense op's tensor (a view of the bucket, or a copy of its scattered pieces).
+        rows: a rows op's rows that may be nonzero; None for the dense op.
+        start: where the view starts in the bucket (elements).
+        end: where it ends.
+        pieces: a dense op's pieces of the bucket, when ``view`` is their copy (the sum
+            is copied back into them); else empty.
+    """
+
+    __slots__ = ("view", "rows", "start", "end", "pieces")
+
+    def __init__(self, view: torch.Tensor, rows: np.ndarray | None, start: int, end: int,
+                 pieces: list[torch.Tensor] | None = None) -> None:
+        self.view = view
+        self.rows = rows
+        self.start = start
+        self.end = end
+        self.pieces = pieces or []
+
+    @classmethod
+    def dense_of(cls, pieces: list[torch.Tensor], buf: torch.Tensor) -> Part:
+        """The dense op of a bucket's other parameters: a view where they are adjacent, else a copy."""
+        base, size = buf.data_ptr(), buf.element_size()
+        start = (pieces[0].data_ptr() - base) // size
+        end = (pieces[-1].data_ptr() - base) // size + pieces[-1].numel()
+        if sum(t.numel() for t in pieces) == end - start:
+            return cls(buf[start:end], None, start, end)
+        return cls(torch.cat(pieces), None, start, end, pieces)
+
+    def copy_back(self) -> None:
+        """Writes a copied dense op's sum back into the bucket."""
+        at = 0
+        for t in self.pieces:
+            t.copy_(self.view[at : at + t.numel()])
+            at += t.numel()
+
+
+def track_embedding_rows(state: Any, model: nn.Module, verify_every: int = DEFAULT_VERIFY_EVERY) -> list[str]:
+    """Sends ``model``'s dense embedding tables' gradients as the rows each step looked up.
+
+    Tracks every ``nn.Embedding`` and ``nn.EmbeddingBag`` with ``sparse=False`` whose
+    weight no other module holds; see the module's docstring for the promise and its check.
+    Call it once, before training; the hook must be in its sparse mode (the default).
+
+    Args:
+        state: the :class:`worker.ddp.OmniReduceState` of the model's DDP hook.
+        model: the model (or the DDP module wrapping it).
+        verify_every: check each bucket's tables against their ids at its first use
+            and every this many uses after (0: never).
+
+    Returns:
+        The names of the tables tracked.
+
+    Raises:
+        ConfigError: the hook is in its dense or auto mode.
+    """
+    if state.mode != "sparse":
+        # The dense path is a collective of its own: a rank that stopped tracking a table
+        # would enter it while the others run the rows op.
+        raise ConfigError(f"embedding rows are tracked in the hook's sparse mode only, not {state.mode!r}")
+    tracker = RowTracker(verify_every)
+    # A weight another module also holds (a tied output projection) gets gradients there too.
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and not module.sparse:
+            if holders.get(id(module.weight), 0) > 1:
+                logger.info("embedding %s shares its weight with another module: not tracked", name or "(root)")
+                continue
+            tracker.track(name or "(root)", module)
+    state.rows = tracker
+    return tracker.tables

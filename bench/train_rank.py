@@ -21,6 +21,10 @@ Systems:
   predicts faster: what a user of a model with both kinds of gradients would run.
 - ``omnireduce-colocated-auto``: as ``omnireduce-auto``, with every rank serving one
   aggregator shard (no aggregator host).
+- ``omnireduce-rows``: dense gradients (``sparse=False`` embeddings, as ``omnireduce``), the
+  tables' sent as the rows each step looked up (``worker.embedding_rows``: no mask pass
+  over them), the other parameters as a dense op.
+- ``omnireduce-colocated-rows``: as ``omnireduce-rows``, every rank serving one aggregator shard.
 
 Rank 0 prints one JSON object per line on stdout (``step`` and ``params`` events).
 """
@@ -47,14 +51,14 @@ __all__ = ["SYSTEMS", "SPARSE_SYSTEMS", "COLOCATED_SYSTEMS", "PHASES", "Replica"
 
 SYSTEMS = (
     "gloo-dense", "gloo-sparse", "omnireduce", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto",
-    "omnireduce-colocated-auto",
+    "omnireduce-colocated-auto", "omnireduce-rows", "omnireduce-colocated-rows",
 )
 #: The systems whose models have ``sparse=True`` embeddings (COO gradients).
 SPARSE_SYSTEMS = frozenset({
     "gloo-sparse", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto", "omnireduce-colocated-auto",
 })
 #: The systems whose ranks serve the aggregator shards themselves.
-COLOCATED_SYSTEMS = frozenset({"omnireduce-colocated", "omnireduce-colocated-auto"})
+COLOCATED_SYSTEMS = frozenset({"omnireduce-colocated", "omnireduce-colocated-auto", "omnireduce-colocated-rows"})
 #: The slowest rank's step in phases (a step event's ``phases``): forward, backward until the last
 #: gradient is computed, backward's wait for communication after it, optimizer step.
 PHASES = ("forward", "backward", "tail", "optimizer")
@@ -147,6 +151,10 @@ def _replica(system: str, spec: train_models.ModelSpec, cfg: dict[str, Any], ran
         else:
             replica.state = OmniReduceState(replica.worker)
         model.register_comm_hook(replica.state, omnireduce_hook)
+        if system.endswith("-rows"):
+            from worker.embedding_rows import track_embedding_rows
+
+            track_embedding_rows(replica.state, module)
     return replica
 
 
@@ -242,6 +250,9 @@ def run(cfg: dict[str, Any]) -> None:
                         event["dense_bytes"] = total.dense_bytes
                     if r.state is not None:
                         event["paths"] = dict(r.state.paths)
+                        if r.state.rows is not None:
+                            # Buckets whose tables went out as their looked-up rows (rank 0's count).
+                            event["rows_buckets"] = r.state.rows.buckets
                     _emit(event)
         reference = next((r for r in replicas if r.system == REFERENCE), replicas[0])
         if rank == 0:

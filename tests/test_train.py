@@ -57,10 +57,13 @@ def test_every_system_reaches_gloos_parameters(loopback_run: str) -> None:
     last = {(e["model"], e["system"]): e for e in results["steps"] if e["step"] == STEPS - 1}
     for model in MODELS:
         for system in ("omnireduce", "omnireduce-sparse", "omnireduce-colocated", "omnireduce-auto",
-                       "omnireduce-colocated-auto"):
+                       "omnireduce-colocated-auto", "omnireduce-rows", "omnireduce-colocated-rows"):
             # The auto systems send their embedding rows through omnireduce whatever the dense buckets do.
             assert last[model, system]["paths"]["sparse"] > 0, (model, system)
             assert last[model, system]["protocol_bytes_sent"] > 0
+        for system in ("omnireduce-rows", "omnireduce-colocated-rows"):
+            # Their tables went out as looked-up rows, every step (no table dropped by its check).
+            assert last[model, system]["rows_buckets"] >= STEPS, (model, system)
         assert "paths" not in last[model, "gloo-dense"]
 
 

@@ -80,6 +80,9 @@ def test_tracks_dense_tables_that_no_other_module_holds() -> None:
     assert track_embedding_rows(OmniReduceState(_Worker()), _Model()) == ["a", "b", "c"]
     # A tied output projection gets gradients for every row: its table is not tracked.
     assert track_embedding_rows(OmniReduceState(_Worker()), _Model(tied=True)) == ["b", "c"]
+    frozen = _Model()
+    frozen.c.weight.requires_grad_(False)
+    assert track_embedding_rows(OmniReduceState(_Worker()), frozen) == ["a", "b"]
     with pytest.raises(ConfigError, match="sparse mode only"):
         track_embedding_rows(OmniReduceState(_Worker(), mode="auto", dense_group=object()), _Model())
     with pytest.raises(ConfigError, match="verify_every"):
@@ -93,7 +96,7 @@ def test_a_bucket_goes_as_runs_of_tables_and_one_dense_op() -> None:
     track_embedding_rows(state, model)
     with torch.no_grad():
         model(torch.tensor([0, 1, 2, 3, 4]))  # not recorded: no gradients come of it
-    model(torch.tensor([2, 7, 7, 9])).backward()
+    model(torch.tensor([2, 7, 7, 9], dtype=torch.int32)).backward()  # int32 ids, as embeddings take too
     # a and b are adjacent tables of width 4: one rows op; head's weight is between b and c
     # (c is of width 3): c its own rows op, head the dense op.
     bucket = _Bucket([model.a.weight, model.b.weight, model.head.weight, model.c.weight])
@@ -119,7 +122,7 @@ def test_rows_are_averaged_and_a_table_with_gradients_elsewhere_is_dropped() -> 
     w.world_size = 4
     state = OmniReduceState(w)
     track_embedding_rows(state, model, verify_every=1)
-    model(torch.tensor([1, 5])).backward()
+    model(torch.tensor([1, 5], dtype=torch.int32)).backward()
     with torch.no_grad():
         model.c.weight.grad[8] = 1.0  # a gradient the lookups do not explain
     bucket = _Bucket([model.a.weight, model.c.weight])

@@ -55,7 +55,7 @@ class RowTracker:
         # Parameter (by id) -> the ids looked up through it since its bucket last went out.
         self._ids: dict[int, list[torch.Tensor]] = {}
         self._names: dict[int, str] = {}
-        self._uses: dict[int, int] = {}
+        self._uses: dict[tuple[int, ...], int] = {}
         #: Buckets sent as rows, and the tables dropped after a failed check.
         self.buckets = 0
         self.dropped: list[str] = []
@@ -100,8 +100,8 @@ class RowTracker:
             for k in looked_up:
                 self._ids[k] = []
         base, size = buf.data_ptr(), buf.element_size()
-        segments = sorted(((g.data_ptr() - base) // size, g.numel(), p) for p, g in zip(
-            params, bucket.gradients(), strict=True))
+        segments = sorted((((g.data_ptr() - base) // size, g.numel(), p) for p, g in zip(
+            params, bucket.gradients(), strict=True)), key=lambda seg: seg[0])
         # Counted per set of tables: DDP rebuilds its buckets after the first step.
         group = tuple(looked_up)
         uses = self._uses.get(group, 0)
@@ -116,7 +116,8 @@ class RowTracker:
                 continue
             width = p.shape[1]
             seen = looked_up[id(p)]
-            ids = np.unique(torch.cat(seen).cpu().numpy()) if seen else np.empty(0, dtype=np.int64)
+            ids = np.unique(torch.cat(seen).cpu().numpy()).astype(np.int64, copy=False) if seen else (
+                np.empty(0, dtype=np.int64))
             view = grad.view(-1, width)
             if check and not self._verify(view, ids, p, bucket):
                 dense.append(grad)
@@ -228,6 +229,8 @@ def track_embedding_rows(state: Any, model: nn.Module, verify_every: int = DEFAU
             holders[id(p)] = holders.get(id(p), 0) + 1
     for name, module in model.named_modules():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and not module.sparse:
+            if not module.weight.requires_grad:
+                continue  # frozen: no gradient to send
             if holders.get(id(module.weight), 0) > 1:
                 logger.info("embedding %s shares its weight with another module: not tracked", name or "(root)")
                 continue

@@ -5,8 +5,10 @@
 With ``OMNIREDUCE_ADDRESS`` unset, rank 0 starts an aggregator in-process on
 ``MASTER_ADDR:MASTER_PORT+1`` and every rank uses it; set the variable to use a
 running ``omnireduce-aggregator`` instead. ``--hook auto`` sends each bucket through omnireduce or
-gloo, whichever the cost model predicts faster. ``--hook gloo`` runs the same training
-with DDP's default gloo allreduce for comparison.
+gloo, whichever the cost model predicts faster. ``--hook rows`` sends each embedding
+table's gradient as the rows the step looked up (``worker.embedding_rows``: no mask pass
+over the tables). ``--hook gloo`` runs the same training with DDP's default gloo allreduce
+for comparison.
 
 The data is generated: a hidden "true" model labels random categorical and dense
 features, so the loss falls as the model learns it.
@@ -61,8 +63,9 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--dense", type=int, default=13)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--hook", choices=["omnireduce", "auto", "gloo"], default="omnireduce",
-                   help="auto: each bucket through omnireduce or gloo, whichever the cost model predicts faster")
+    p.add_argument("--hook", choices=["omnireduce", "rows", "auto", "gloo"], default="omnireduce",
+                   help="auto: each bucket through omnireduce or gloo, whichever the cost model predicts faster; "
+                        "rows: the tables' gradients sent as the rows each step looked up")
     p.add_argument("--log-every", type=int, default=20)
     args = p.parse_args()
 
@@ -92,6 +95,10 @@ def main() -> None:
         else:
             state = OmniReduceState(worker)
         model.register_comm_hook(state, omnireduce_hook)
+        if args.hook == "rows":
+            from worker.embedding_rows import track_embedding_rows
+
+            track_embedding_rows(state, model)
     opt = torch.optim.Adagrad(model.parameters(), lr=args.lr)
     loss_fn = nn.BCEWithLogitsLoss()
     times: list[float] = []
@@ -114,6 +121,8 @@ def main() -> None:
                         f" ({total.sent_fraction:.1%})")
             if state is not None and state.mode == "auto":
                 msg += f"  buckets sparse/dense {state.paths['sparse']}/{state.paths['dense']}"
+            if state is not None and state.rows is not None:
+                msg += f"  buckets as rows {state.rows.buckets}"
             print(msg, flush=True)
             window, times = 0.0, []
     if worker is not None:

@@ -222,7 +222,8 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two neighbouring free ports")
 
 
-def test_torchrun_example_trains(tmp_path) -> None:
+@pytest.mark.parametrize("hook", ["omnireduce", "rows"])
+def test_torchrun_example_trains(tmp_path, hook: str) -> None:
     import shutil
     import subprocess
     import sys
@@ -235,13 +236,16 @@ def test_torchrun_example_trains(tmp_path) -> None:
     port = _free_port_pair()
     proc = subprocess.run(
         [torchrun, "--nproc_per_node", "2", "--master_port", str(port), "examples/train_ctr.py",
-         "--steps", "10", "--log-every", "5", "--tables", "2", "--vocab", "20000", "--batch", "64"],
+         "--steps", "10", "--log-every", "5", "--tables", "2", "--vocab", "20000", "--batch", "64", "--hook", hook],
         cwd=root, env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step")]
     assert len(lines) == 2, proc.stdout
     assert "loss" in lines[-1] and "MB dense" in lines[-1]
+    if hook == "rows":
+        # Every step's bucket of tables went out as their looked-up rows.
+        assert int(lines[-1].rsplit("buckets as rows", 1)[1]) >= 10, lines[-1]
 
 
 @pytest.mark.parametrize("cap", [0, -1.0, float("nan"), "25"])

@@ -14,6 +14,7 @@ nn = torch.nn
 from omnireduce import ConfigError  # noqa: E402
 from worker.ddp import OmniReduceState, omnireduce_hook  # noqa: E402
 from worker.embedding_rows import RowTracker, track_embedding_rows  # noqa: E402
+from worker.knownrows import KnownRows  # noqa: E402
 
 
 class _Worker:
@@ -24,10 +25,14 @@ class _Worker:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, Any]] = []
 
-    def allreduce_async(self, x: Any, rows: Any = None, **_: Any) -> Future:
-        self.calls.append((x, None if rows is None else np.asarray(rows).copy()))
+    def allreduce_async(self, x: Any, **_: Any) -> Future:
         f: Future = Future()
-        f.set_result(x)
+        if isinstance(x, KnownRows):  # a rows op: its tensor, the rows given
+            self.calls.append((x.source, x.rows.copy()))
+            f.set_result(x.result())
+        else:
+            self.calls.append((x, None))
+            f.set_result(x)
         return f
 
 
@@ -133,3 +138,23 @@ def test_rows_are_averaged_and_a_table_with_gradients_elsewhere_is_dropped() -> 
     assert [rows is None for _, rows in w.calls] == [False, True]
     torch.testing.assert_close(bucket.buffer(), before / 4)
     assert state.rows is not None and state.rows.dropped == ["c"] and state.rows.tables == ["a", "b"]
+
+
+def test_keyword_lookups_retracking_and_gpu_buckets() -> None:
+    model = _Model()
+    state = OmniReduceState(_Worker(), average=False)
+    track_embedding_rows(state, model)
+    first = state.rows
+    track_embedding_rows(state, model)  # again: the first tracker's hooks are removed
+    assert first is not None and first is not state.rows and len(model.a._forward_hooks) == 1
+    model.a(input=torch.tensor([3, 4])).sum().backward()  # a keyword input is recorded too
+
+    class _Elsewhere(_Bucket):
+        def buffer(self) -> Any:
+            return torch.empty(self._buffer.numel(), device="meta")
+
+    tracker = state.rows
+    assert tracker is not None and len(tracker._ids[id(model.a.weight)]) == 1
+    # A bucket that is not a CPU buffer takes the usual path, and its tables' ids are consumed.
+    assert tracker.bucket_parts(_Elsewhere([model.a.weight])) is None
+    assert tracker._ids[id(model.a.weight)] == []

@@ -99,11 +99,13 @@ def test_weighted_gradients_equal_the_global_batch_gradient(agg, tmp_path, world
         assert gap > 1e-3
 
 
-@pytest.mark.parametrize("case", ["rows", "rows_buckets"])
+@pytest.mark.parametrize("case", ["rows", "rows_buckets", "rows_synced"])
 def test_hook_sends_tracked_embedding_rows_and_matches_gloo(agg, tmp_path, case: str) -> None:
     # "rows": one bucket (the table and the MLP), a 100,000-row table of which a step looks up
     # at most 64 rows; "rows_buckets": 1 kB buckets (the MLP's parameters apart from the
-    # table's) and gradients accumulated over two forwards (no_sync), 3 ranks.
+    # table's) and gradients accumulated over two forwards (no_sync), 3 ranks; "rows_synced":
+    # two synced backward passes per step, the gradient not zeroed between them (rows the
+    # first summed are nonzero on every rank when the second goes out), 3 ranks.
     world = 2 if case == "rows" else 3
     results = run_procs("ddp_case", world, tmp_path, agg.address, case)
     for res in results:

@@ -278,7 +278,7 @@ class Worker(SettingsView):
         Args:
             x: the tensor (see :meth:`allreduce_async`).
             **options: :meth:`allreduce_async`'s options (``inplace``, ``out``,
-                ``weight``, ``compute_time``, ``key``).
+                ``weight``, ``compute_time``, ``key``, ``rows``).
 
         Raises:
             OmniReduceError: the op failed (mismatch, timeout, aggregator error, closed worker).

@@ -27,6 +27,7 @@ from worker.api import Allreducer
 from worker.auto import MODES, PathChooser
 from worker.embedding_rows import Part, RowTracker
 from worker.futures import Settable
+from worker.knownrows import known_rows
 from worker.rows import SparseRows
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def complete_torch_future(
                 if out.numel() != target.numel():
                     # DDP does not check the result's size; a wrong one would corrupt silently.
                     raise OmniReduceError(f"result has {out.numel()} elements, expected {target.numel()}")
-                if out is not target and out.data_ptr() != target.data_ptr():
+                if out is not target:
                     target.copy_(out.view(target.shape))
                 value = target
         except BaseException as e:  # noqa: BLE001 - handed to the waiting backward()
@@ -279,7 +280,9 @@ def _parts_bucket(state: OmniReduceState, buf: torch.Tensor, what: str,
                 # Only these rows: the others are zero (what the tracking rests on).
                 idx = torch.from_numpy(part.rows)
                 part.view.index_copy_(0, idx, part.view.index_select(0, idx).div_(world))
-            sources.append(state.worker.allreduce_async(part.view, rows=part.rows, inplace=True, weight=weight))
+            # Recording the rows written: the tracker checks them at the next step.
+            part.known = known_rows(part.view, part.rows, inplace=True, world_size=world, record=True)
+            sources.append(state.worker.allreduce_async(part.known, weight=weight))
     except BaseException as e:
         state.record(e)
         raise
@@ -291,11 +294,14 @@ def _parts_bucket(state: OmniReduceState, buf: torch.Tensor, what: str,
 
     def done(part: Part, src: ConcurrentFuture) -> None:
         error = src.exception()
-        if error is None and part.pieces:
+        if error is None:
             try:
-                part.copy_back()
+                if part.pieces:
+                    part.copy_back()
+                if part.known is not None and state.rows is not None:
+                    state.rows.sums_written(part, part.known.union())
             except BaseException as e:  # noqa: BLE001 - handed to the waiting backward()
-                logger.exception("could not copy a summed part of DDP bucket back")
+                logger.exception("could not finish a summed part of a DDP bucket")
                 error = e
         with lock:
             if combined.done():

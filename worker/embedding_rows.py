@@ -9,13 +9,17 @@ sent, with no mask pass over the tables (:mod:`worker.knownrows`). The bucket's 
 parameters go out as one dense op beside them (the mask pass over those alone).
 
 The promise it rests on: a tracked table's gradient is zero outside the ids looked up
-through it. A weight used elsewhere too (tied to an output projection, or read with
+through it since its last op, and outside the rows that op summed (gradients accumulated
+over synced steps without zeroing: those rows are checked, and sent again where nonzero).
+A weight used elsewhere too (tied to an output projection, or read with
 ``F.embedding``/``F.linear`` directly) breaks it. Tables whose weight another module
-holds are not tracked; every ``verify_every``-th use of a bucket (the first included)
-checks each table's gradient against its ids with a pass over it, and a table that fails
-is no longer tracked on that rank (logged): its bucket takes the mask pass from then on.
-Ranks that disagree on this fail that op on every rank (``MismatchError``), so the
-result is never silently wrong.
+holds are not tracked; each set of tables a bucket holds is checked against its ids at
+its first use and every ``verify_every``-th after (a pass over their gradients), and a
+table that fails is no longer tracked on that rank (logged): it takes the mask pass from
+then on. Ranks that disagree on this fail that op on every rank (``MismatchError``, or
+the op timeout on a sharded worker), so the result is never silently wrong; the hook's
+error then stays set (``state.error``), as after any failed bucket. CPU buckets only: a
+GPU bucket takes the hook's usual path.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ class RowTracker:
         self._ids: dict[int, list[torch.Tensor]] = {}
         self._names: dict[int, str] = {}
         self._uses: dict[tuple[int, ...], int] = {}
+        # Parameter (by id) -> the rows its last op wrote (see sums_written).
+        self._written: dict[int, np.ndarray] = {}
+        self._handles: list[Any] = []
         #: Buckets sent as rows, and the tables dropped after a failed check.
         self.buckets = 0
         self.dropped: list[str] = []
@@ -72,12 +79,29 @@ class RowTracker:
         self._ids[key] = []
         self._names[key] = name
 
-        def looked_up(_module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
+        def looked_up(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _output: Any) -> None:
             if torch.is_grad_enabled() and key in self._ids:
+                ids = args[0] if args else kwargs["input"]
                 with self._lock:
-                    self._ids[key].append(args[0].detach().reshape(-1))
+                    self._ids[key].append(ids.detach().reshape(-1))
 
-        module.register_forward_hook(looked_up)
+        self._handles.append(module.register_forward_hook(looked_up, with_kwargs=True))
+
+    def remove(self) -> None:
+        """Stops tracking: the forward hooks are removed and the ids forgotten."""
+        for h in self._handles:
+            h.remove()
+        with self._lock:
+            self._handles, self._ids, self._written = [], {}, {}
+            self._names.clear()
+
+    def sums_written(self, part: Part, union: np.ndarray) -> None:
+        """Notes the rows a part's op wrote (its union): the next plan of the same tables sends again
+        those that are still nonzero then (gradients accumulated over steps without zeroing)."""
+        with self._lock:
+            for key, first, count in part.tables:
+                lo, hi = np.searchsorted(union, [first, first + count])
+                self._written[key] = union[lo:hi] - first
 
     def bucket_parts(self, bucket: dist.GradBucket) -> list[Part] | None:
         """How a bucket holding tracked tables goes out, or None if it holds none (or is not a
@@ -88,17 +112,18 @@ class RowTracker:
             adjacent tracked tables of one width as a rows op on their gradients' view, and
             the rest of the bucket as one dense op.
         """
-        buf = bucket.buffer()
-        if buf.is_sparse or buf.device.type != "cpu" or not buf.is_contiguous() or buf.dim() != 1:
-            return None
         params = bucket.parameters()
         if not any(id(p) in self._ids for p in params):
             return None
         with self._lock:
-            # Consumed here, whichever way the bucket goes.
+            # Consumed here, whichever way the bucket goes (a GPU bucket's too).
             looked_up = {id(p): self._ids[id(p)] for p in params if id(p) in self._ids}
             for k in looked_up:
                 self._ids[k] = []
+            written = {k: self._written.pop(k) for k in looked_up if k in self._written}
+        buf = bucket.buffer()
+        if buf.is_sparse or buf.device.type != "cpu" or not buf.is_contiguous() or buf.dim() != 1:
+            return None
         base, size = buf.data_ptr(), buf.element_size()
         segments = sorted((((g.data_ptr() - base) // size, g.numel(), p) for p, g in zip(
             params, bucket.gradients(), strict=True)), key=lambda seg: seg[0])
@@ -119,6 +144,13 @@ class RowTracker:
             ids = np.unique(torch.cat(seen).cpu().numpy()).astype(np.int64, copy=False) if seen else (
                 np.empty(0, dtype=np.int64))
             view = grad.view(-1, width)
+            before = written.get(id(p))
+            if before is not None and len(before):
+                # Gradients accumulated over synced steps (not zeroed): rows summed last time
+                # that are nonzero again go too, else the others' copies would be left out.
+                still = view.index_select(0, torch.from_numpy(before)).ne(0).any(1).numpy()
+                if still.any():
+                    ids = np.union1d(ids, before[still])
             if check and not self._verify(view, ids, p, bucket):
                 dense.append(grad)
                 continue
@@ -130,8 +162,9 @@ class RowTracker:
                 last.view = buf[last.start : offset + numel].view(-1, width)
                 last.rows = np.concatenate([last.rows, ids + first])
                 last.end = offset + numel
+                last.tables.append((id(p), first, view.shape[0]))
             else:
-                parts.append(Part(view, ids, offset, offset + numel))
+                parts.append(Part(view, ids, offset, offset + numel, tables=[(id(p), 0, view.shape[0])]))
         if not parts:
             return None  # every table dropped: the whole bucket takes the mask pass
         if dense:
@@ -168,17 +201,21 @@ class Part:
         end: where it ends.
         pieces: a dense op's pieces of the bucket, when ``view`` is their copy (the sum
             is copied back into them); else empty.
+        tables: a rows op's tables: (parameter id, first row in ``view``, rows).
     """
 
-    __slots__ = ("view", "rows", "start", "end", "pieces")
+    __slots__ = ("view", "rows", "start", "end", "pieces", "tables", "known")
 
     def __init__(self, view: torch.Tensor, rows: np.ndarray | None, start: int, end: int,
-                 pieces: list[torch.Tensor] | None = None) -> None:
+                 pieces: list[torch.Tensor] | None = None, tables: list[tuple[int, int, int]] | None = None) -> None:
         self.view = view
         self.rows = rows
         self.start = start
         self.end = end
         self.pieces = pieces or []
+        self.tables = tables or []
+        #: A rows op's rows and their destination, once submitted (its union is recorded).
+        self.known: Any = None
 
     @classmethod
     def dense_of(cls, pieces: list[torch.Tensor], buf: torch.Tensor) -> Part:
@@ -221,6 +258,8 @@ def track_embedding_rows(state: Any, model: nn.Module, verify_every: int = DEFAU
         # The dense path is a collective of its own: a rank that stopped tracking a table
         # would enter it while the others run the rows op.
         raise ConfigError(f"embedding rows are tracked in the hook's sparse mode only, not {state.mode!r}")
+    if state.rows is not None:
+        state.rows.remove()  # tracked again: the old hooks go
     tracker = RowTracker(verify_every)
     # A weight another module also holds (a tied output projection) gets gradients there too.
     holders: dict[int, int] = {}

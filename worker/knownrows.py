@@ -13,9 +13,10 @@ nonzero value there is left out of the sum. In a new result (or ``out``) every r
 outside the union is zero; in place, such rows are not written at all.
 
 On a sharded worker the rows are dealt round-robin as a sparse tensor's are (row
-``r`` to shard ``r % S``). Each shard's part reads and writes its rows through a
-strided view of the tensor (every ``S``-th row), so the shards' sums land straight
-in the result, with no join.
+``r`` to the op's part ``r % P`` of ``P``, the parts going to the shards in turn).
+Each part reads and writes its rows through a strided view of the tensor (every
+``P``-th row), so the shards' sums land straight in the result, with no join. A
+tensor that is not contiguous is copied first (as any allreduce input is).
 """
 
 from __future__ import annotations
@@ -50,18 +51,37 @@ class KnownRows:
         holds_own: ``dest`` already holds this rank's rows (in place): a row that only
             this rank sent sums to itself and need not be written.
         result: the caller's result, once every part is summed into ``dest``.
+        written: where the rows written are recorded (see :meth:`union`); None: not recorded.
+        stride: a part's row ``i`` is the tensor's row ``i * stride + phase``.
+        phase: see ``stride``.
     """
 
-    __slots__ = ("source", "dest", "rows", "dtype", "holds_own", "_result")
+    __slots__ = ("source", "dest", "rows", "dtype", "holds_own", "_result", "written", "stride", "phase")
 
     def __init__(self, source: np.ndarray, dest: np.ndarray, rows: np.ndarray, dtype: DType, holds_own: bool,
-                 result: Any = None) -> None:
+                 result: Any = None, written: list[np.ndarray] | None = None, stride: int = 1,
+                 phase: int = 0) -> None:
         self.source = source
         self.dest = dest
         self.rows = rows
         self.dtype = dtype
         self.holds_own = holds_own
         self._result = result
+        self.written = written
+        self.stride = stride
+        self.phase = phase
+
+    def record(self, ids: np.ndarray) -> None:
+        """Notes that the sums of this part's rows ``ids`` were written (when recording)."""
+        if self.written is not None:
+            self.written.append(ids * self.stride + self.phase if self.stride != 1 else ids)
+
+    def union(self) -> np.ndarray:
+        """The rows of the op's union (every rank's rows), ascending, once it completed: the rows
+        written and this rank's own. Needs ``written`` (:func:`known_rows` with ``record=True``)."""
+        if self.written is None:
+            raise ValueError("the rows written were not recorded (known_rows(..., record=True))")
+        return np.unique(np.concatenate([self.rows, *self.written]))
 
     @property
     def num_rows(self) -> int:
@@ -96,13 +116,14 @@ class KnownRows:
         local = self.rows[order] // parts
         return [
             KnownRows(self.source[k::parts], self.dest[k::parts], local[edges[k]: edges[k + 1]], self.dtype,
-                      self.holds_own)
+                      self.holds_own, written=self.written, stride=self.stride * parts,
+                      phase=self.phase + k * self.stride)
             for k in range(parts)
         ]
 
 
 def known_rows(x: Any, rows: Any, inplace: bool = False, out: np.ndarray | None = None,
-               world_size: int = 2) -> KnownRows:
+               world_size: int = 2, record: bool = False) -> KnownRows:
     """Checks an allreduce of ``x`` with its nonzero ``rows`` and sets up where the sum goes.
 
     Args:
@@ -114,6 +135,7 @@ def known_rows(x: Any, rows: Any, inplace: bool = False, out: np.ndarray | None 
         out: a zero-filled, writeable, flat NumPy array of ``x``'s length and storage
             type to write the sum into.
         world_size: the op's workers (sizes a new result's lazily zeroed pages).
+        record: record the rows written, for :meth:`KnownRows.union`.
 
     Raises:
         ConfigError: ``x`` or ``rows`` are not supported, a row is out of range, or
@@ -130,17 +152,19 @@ def known_rows(x: Any, rows: Any, inplace: bool = False, out: np.ndarray | None 
         raise ConfigError("an in-place allreduce needs a contiguous tensor (this one would be copied)")
     num_rows = shape[0]
     width = math.prod(shape[1:])
-    ids = _row_ids(rows, num_rows)
     if width == 0:
-        ids = ids[:0]  # rows of no elements: nothing to send
+        # As SparseRows: a row is a block, and a block of no elements has no layout.
+        raise ConfigError(f"rows= needs rows of at least one element, got a tensor of shape {shape}")
+    ids = _row_ids(rows, num_rows)
     source = flat.reshape(num_rows, width)
+    log: list[np.ndarray] | None = [] if record else None
     if inplace:
-        return KnownRows(source, source, ids, dtype, True, x)
+        return KnownRows(source, source, ids, dtype, True, x, written=log)
     if out is None:
         own = len(ids) / num_rows if num_rows else 0.0
-        written = pages_written(own, world_size, width * dtype.itemsize)
-        out = lazy_zeros(len(flat), np.dtype(dtype.storage), written)
-    return KnownRows(source, out.reshape(num_rows, width), ids, dtype, False, restore(out))
+        pages = pages_written(own, world_size, width * dtype.itemsize)
+        out = lazy_zeros(len(flat), np.dtype(dtype.storage), pages)
+    return KnownRows(source, out.reshape(num_rows, width), ids, dtype, False, restore(out), written=log)
 
 
 def _row_ids(rows: Any, num_rows: int) -> np.ndarray:
@@ -189,6 +213,7 @@ class KnownRowsOpData(RowBlocks):
 
     def scatter(self, ids: np.ndarray, payload: np.ndarray, layout: Layout) -> None:
         self.x.dest[ids] = payload.reshape(len(ids), self.block_size)
+        self.x.record(ids)
 
     def restore(self, _out: Any) -> Any:
         """The caller's result (see :meth:`KnownRows.result`); None for a sharded op's part."""

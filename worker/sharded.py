@@ -263,7 +263,10 @@ class ShardedWorker(SettingsView):
             inplace: write the sum into ``x`` itself (contiguous CPU tensors only).
             out: a zero-filled, writeable, flat array of ``x``'s length and storage
                 type to write the sum into (CPU tensors only).
-            **kwargs: further options of :meth:`Worker.allreduce_async`, passed to every shard.
+            **kwargs: further options of :meth:`Worker.allreduce_async`, passed to every
+                shard, except ``rows`` (a dense tensor's given rows, see
+                :mod:`worker.knownrows`): the rows are dealt to the shards, each shard's
+                part reading and writing its rows of ``x`` (or of the result) in place.
 
         Returns:
             A future of an array or tensor of ``x``'s type, shape and dtype.

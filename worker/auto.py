@@ -71,6 +71,9 @@ class PathChooser:
         self._union: dict[Hashable, float] = {}
         self._calls: dict[Hashable, int] = {}
         self._records: dict[Hashable, int] = {}
+        # Per key: the inputs of its last prediction and the path it gave. A DDP bucket's
+        # union changes only when a sparse op measures it, so most steps reuse it.
+        self._plans: dict[Hashable, tuple[float, int, int, str]] = {}
         self._lock = threading.Lock()
 
     def choose(self, key: Hashable, elements: int, element_size: int) -> str:
@@ -94,6 +97,9 @@ class PathChooser:
             records = self._records.get(key, 0)
         if union is None or calls % self.probe_every == 0:
             return "sparse", None
+        last = self._plans.get(key)
+        if last is not None and last[:3] == (union, elements, element_size):
+            return last[3], records
         # Each worker's own density, for random blocks, from the union the aggregator returned.
         density = 1.0 - (1.0 - min(union, 1.0)) ** (1.0 / max(1, self.world_size))
         path, sparse_s, dense_s = model.choose_path(
@@ -101,6 +107,7 @@ class PathChooser:
             element_size=element_size, union=union, **self.layout,
         )
         logger.debug("auto %r: union %.4f, sparse %.3g s, dense %.3g s -> %s", key, union, sparse_s, dense_s, path)
+        self._plans[key] = (union, elements, element_size, path)
         return path, records
 
     def record(self, key: Hashable, union: float) -> None:

@@ -300,7 +300,9 @@ def add_args(p: Any) -> None:
                    help="time the systems round-robin per repetition (fairer on a noisy machine)")
     p.add_argument("--sparse-io", action="store_true",
                    help="time gloo sparse and the omnireduce-rows systems from the dense tensor to the dense sum "
-                        "(conversions included); by default only the allreduce of a prebuilt COO tensor is timed")
+                        "(the conversion to COO included; gloo's COO sum converted back, omnireduce's asked "
+                        "dense: allreduce(coo, dense=True)); by default only the allreduce of a prebuilt COO "
+                        "tensor is timed")
     p.add_argument("--new-output", action="store_true",
                    help="time omnireduce's allreduce into a new array; by default it sums in place into the "
                         "buffer gloo's all_reduce uses (refilled, untimed, before every call of either)")

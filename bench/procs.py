@@ -94,9 +94,10 @@ class _Case:
 
     def omnireduce_rows(self, worker: Any) -> Any:
         """``worker.allreduce`` of gloo-sparse's COO tensor: a coalesced sparse tensor of the union's rows."""
-        s = self.to_sparse() if self.sparse_io else self.rows_in
-        result = worker.allreduce(s)
-        return result.to_dense().view(-1)[: self.n] if self.sparse_io else result
+        if self.sparse_io:
+            # From the dense tensor to the dense sum: the sum comes dense (no sparse result first).
+            return worker.allreduce(self.to_sparse(), dense=True).view(-1)[: self.n]
+        return worker.allreduce(self.rows_in)
 
     def reset_known(self) -> None:
         self.known_buf.copy_(self.rows)

@@ -14,6 +14,7 @@ from tests.helpers import ThreadExchange, run_ranks
 from worker import Worker, connect
 from worker.colocated import ColocatedWorker
 from worker.knownrows import known_rows
+from worker.rows import SparseRows
 
 OPTS = dict(message_blocks=4, streams=2, timeout=20)
 WORLD = 3
@@ -187,3 +188,60 @@ def test_deal_gives_strided_views_of_the_tensor() -> None:
         assert np.shares_memory(p.source, x) and p.dest.ctypes.data == p.source.ctypes.data == x[j:].ctypes.data
         np.testing.assert_array_equal(p.source, x[j::3])
     assert k.deal(1) == [k]
+
+
+@pytest.mark.parametrize("topology", ["one_aggregator", "three_shards", "colocated"])
+def test_a_sparse_tensors_sum_comes_dense_on_request(aggregator: Aggregator, shards: list[Aggregator],
+                                                     topology: str) -> None:
+    make = _topologies(aggregator, shards)[topology]
+    g = torch.Generator().manual_seed(0)
+
+    def sparse(shape: tuple[int, ...], dims: int) -> torch.Tensor:
+        dense = torch.randint(-5, 5, shape, generator=g) * (torch.rand(*shape[:dims], *[1] * (len(shape) - dims),
+                                                                       generator=g) < 0.4)
+        return dense.float().to_sparse(dims)
+
+    mats = [sparse((NUM_ROWS, 3), 1) for _ in range(WORLD)]
+    cubes = [sparse((4, 5, 2), 2) for _ in range(WORLD)]
+    ref, ref3 = sum(t.to_dense() for t in mats), sum(t.to_dense() for t in cubes)
+
+    def rank(r: int) -> tuple[Any, ...]:
+        with make(r) as w:
+            a = w.allreduce(mats[r], dense=True)
+            b = w.allreduce(cubes[r], dense=True)
+            out = np.zeros(NUM_ROWS * 3, np.float32)
+            c = w.allreduce(mats[r], dense=True, out=out)
+            d = w.allreduce(SparseRows.from_torch(mats[r]), dense=True)
+            e = w.allreduce(mats[r].to(torch.bfloat16), dense=True)
+            return a, b, c, out, d, e
+
+    for a, b, c, out, d, e in run_ranks(WORLD, rank):
+        assert a.layout == torch.strided and a.shape == (NUM_ROWS, 3) and torch.equal(a, ref)
+        assert torch.equal(b, ref3)
+        assert np.shares_memory(c.numpy(), out) and torch.equal(c, ref)
+        assert isinstance(d, np.ndarray) and np.array_equal(d, ref.numpy())
+        # Small integers are exact in bfloat16.
+        assert e.dtype == torch.bfloat16 and torch.equal(e.float(), ref)
+
+
+def test_dense_on_request_refuses_what_does_not_fit(aggregator: Aggregator) -> None:
+    t = torch.zeros(6, 2)
+    t[2] = 1.0
+    s = t.to_sparse(1)
+    bad: list[tuple[Any, dict[str, Any], str]] = [
+        (t, {"dense": True}, "dense=True is for sparse tensors"),
+        (s, {"dense": True, "inplace": True}, "neither rows= .* nor inplace"),
+        (s, {"dense": True, "rows": [2]}, "neither rows="),
+        (s, {"dense": True, "out": np.zeros(11, np.float32)}, "out must be a writeable flat float32 array of 12"),
+    ]
+
+    def rank(r: int) -> tuple[Any, int]:
+        with Worker(aggregator.address, rank=r, world_size=2, job="dense-bad", **OPTS) as w:
+            if r == 0:
+                for x, kwargs, match in bad:
+                    with pytest.raises(ConfigError, match=match):
+                        w.allreduce(x, **kwargs)
+            return w.allreduce(s, dense=True), w.stats.ops
+
+    for res, ops in run_ranks(2, rank):
+        assert torch.equal(res, 2 * t) and ops == 1

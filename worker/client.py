@@ -30,7 +30,7 @@ from omnireduce.layout import Layout
 from worker.auto import PathChooser
 from worker.connection import Connection
 from worker.cuda import CudaOpData, is_cuda_tensor
-from worker.knownrows import KnownRows, KnownRowsOpData, known_rows
+from worker.knownrows import KnownRows, KnownRowsOpData, dense_request, known_rows
 from worker.loop import CommLoop
 from worker.op import OpRequest, check_destination
 from worker.rows import RowsOpData, is_rows, rows_op_data
@@ -163,6 +163,7 @@ class Worker(SettingsView):
         compute_time: float | None = None,
         key: Any = None,
         rows: Any = None,
+        dense: bool = False,
     ) -> Future:
         """Starts a sum over all workers of the job; returns a future of the result.
 
@@ -196,6 +197,10 @@ class Worker(SettingsView):
                 as zero without being read. The sum is dense (``x``'s type and
                 shape), also with ``inplace`` or ``out``. Every worker of the op
                 must give ``rows`` (their own), or none.
+            dense: for a sparse ``x`` (a COO tensor or :class:`worker.rows.SparseRows`),
+                return the sum as a dense tensor of its shape (NumPy for
+                ``SparseRows``), written straight from the received rows (or into
+                ``out``), instead of a sparse one.
 
         Returns:
             A future of an array or tensor of ``x``'s type, shape and dtype.
@@ -209,6 +214,9 @@ class Worker(SettingsView):
                 config.check_number(name, v, positive=positive)
         data: CudaOpData | RowsOpData | KnownRowsOpData | None = None
         layout: Layout | None = None
+        if dense and not isinstance(x, KnownRows):
+            x = dense_request(x, rows, inplace, out, self.world_size)
+            inplace, out = False, None
         if rows is not None and not isinstance(x, KnownRows):
             x = known_rows(x, rows, inplace, out, self.world_size)
             inplace, out = False, None
@@ -314,3 +322,4 @@ class Worker(SettingsView):
             self._outstanding -= 1
             if self._outstanding == 0:
                 self._idle_since = time.monotonic()
+

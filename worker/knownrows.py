@@ -31,10 +31,10 @@ from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError
 from omnireduce.layout import Layout
 from worker.op import check_destination, lazy_zeros, pages_written
-from worker.rows import RowBlocks, SparseRows
+from worker.rows import RowBlocks, SparseRows, is_rows
 from worker.tensors import is_torch, shares_memory, to_flat
 
-__all__ = ["KnownRows", "KnownRowsOpData", "known_rows"]
+__all__ = ["KnownRows", "KnownRowsOpData", "dense_request", "dense_sum_of", "known_rows"]
 
 
 class KnownRows:
@@ -54,13 +54,16 @@ class KnownRows:
         written: where the rows written are recorded (see :meth:`union`); None: not recorded.
         stride: a part's row ``i`` is the tensor's row ``i * stride + phase``.
         phase: see ``stride``.
+        compact: ``source`` holds only the given rows, in order (a sparse tensor's values),
+            not every row of the tensor.
     """
 
-    __slots__ = ("source", "dest", "rows", "dtype", "holds_own", "_result", "written", "stride", "phase")
+    __slots__ = ("source", "dest", "rows", "dtype", "holds_own", "_result", "written", "stride", "phase",
+                 "compact")
 
     def __init__(self, source: np.ndarray, dest: np.ndarray, rows: np.ndarray, dtype: DType, holds_own: bool,
                  result: Any = None, written: list[np.ndarray] | None = None, stride: int = 1,
-                 phase: int = 0) -> None:
+                 phase: int = 0, compact: bool = False) -> None:
         self.source = source
         self.dest = dest
         self.rows = rows
@@ -70,6 +73,7 @@ class KnownRows:
         self.written = written
         self.stride = stride
         self.phase = phase
+        self.compact = compact
 
     def record(self, ids: np.ndarray) -> None:
         """Notes that the sums of this part's rows ``ids`` were written (when recording)."""
@@ -85,11 +89,11 @@ class KnownRows:
 
     @property
     def num_rows(self) -> int:
-        return int(self.source.shape[0])
+        return int(self.dest.shape[0])
 
     @property
     def width(self) -> int:
-        return int(self.source.shape[1])
+        return int(self.dest.shape[1])
 
     @property
     def nbytes(self) -> int:
@@ -114,10 +118,13 @@ class KnownRows:
         # Grouped by part, rows ascending within each (a stable sort on small keys).
         order = np.argsort(shard.astype(np.uint16 if parts <= 1 << 16 else np.int64), kind="stable")
         local = self.rows[order] // parts
+        # A compact source (a sparse tensor's values) is dealt as its rows are: one copy.
+        values = self.source.take(order, axis=0) if self.compact else None
         return [
-            KnownRows(self.source[k::parts], self.dest[k::parts], local[edges[k]: edges[k + 1]], self.dtype,
-                      self.holds_own, written=self.written, stride=self.stride * parts,
-                      phase=self.phase + k * self.stride)
+            KnownRows(values[edges[k]: edges[k + 1]] if values is not None else self.source[k::parts],
+                      self.dest[k::parts], local[edges[k]: edges[k + 1]], self.dtype, self.holds_own,
+                      written=self.written, stride=self.stride * parts, phase=self.phase + k * self.stride,
+                      compact=self.compact)
             for k in range(parts)
         ]
 
@@ -167,6 +174,54 @@ def known_rows(x: Any, rows: Any, inplace: bool = False, out: np.ndarray | None 
     return KnownRows(source, out.reshape(num_rows, width), ids, dtype, False, restore(out), written=log)
 
 
+def dense_sum_of(x: Any, out: np.ndarray | None = None, world_size: int = 2) -> KnownRows:
+    """An allreduce of sparse rows (a sparse COO tensor, :class:`worker.rows.SparseRows`) whose
+    sum is wanted dense: ``allreduce(x, dense=True)``. The rows are sent as they are; the
+    sums land in a dense result of the tensor's shape (a torch tensor for a torch input),
+    with no sparse result built first.
+
+    Args:
+        x: the sparse tensor.
+        out: a zero-filled, writeable, flat NumPy array of the dense tensor's length and
+            storage type to write the sum into.
+        world_size: the op's workers (sizes a new result's lazily zeroed pages).
+
+    Raises:
+        ConfigError: ``x`` is not supported as rows, or ``out`` does not fit.
+    """
+    from worker.tensors import from_storage
+
+    sr = x if isinstance(x, SparseRows) else SparseRows.from_torch(x)
+    assert sr.dtype is not None  # set by SparseRows
+    width = sr.row_width
+    values = np.ascontiguousarray(sr.values).reshape(len(sr.rows), width)
+    length = sr.num_rows * width
+    storage = np.dtype(sr.dtype.storage)
+    if out is not None:
+        if not isinstance(out, np.ndarray) or out.shape != (length,) or out.dtype != storage or not out.flags.writeable:
+            raise ConfigError(f"out must be a writeable flat {storage} array of {length} elements")
+    else:
+        own = len(sr.rows) / sr.num_rows if sr.num_rows else 0.0
+        out = lazy_zeros(length, storage, pages_written(own, world_size, width * sr.dtype.itemsize))
+    shape = sr.dense_shape
+    result = from_storage(out, sr.dtype).reshape(shape) if is_torch(x) else out.reshape(shape)
+    return KnownRows(values, out.reshape(sr.num_rows, width), sr.rows, sr.dtype, False, result, compact=True)
+
+
+def dense_request(x: Any, rows: Any, inplace: bool, out: Any, world_size: int) -> KnownRows:
+    """The op of ``allreduce(x, dense=True)``: checks the request, then :func:`dense_sum_of`.
+
+    Raises:
+        ConfigError: ``x`` is not sparse, or ``rows``/``inplace`` asked with it.
+    """
+    if not is_rows(x):
+        raise ConfigError("dense=True is for sparse tensors (a dense tensor's sum is dense already)")
+    if rows is not None or inplace:
+        raise ConfigError("dense=True takes neither rows= (a sparse tensor's rows are its indices) nor inplace "
+                          "(the dense sum is new; out= gives its memory)")
+    return dense_sum_of(x, out, world_size)
+
+
 def _row_ids(rows: Any, num_rows: int) -> np.ndarray:
     """``rows`` as int64 row indices, strictly increasing (sorted, repeats dropped), checked against ``num_rows``."""
     if is_torch(rows):
@@ -205,6 +260,8 @@ class KnownRowsOpData(RowBlocks):
     def gather(self, ids: np.ndarray, layout: Layout) -> np.ndarray:
         """The rows ``ids`` as one payload: a view of the tensor where they are consecutive rows of
         contiguous memory (the caller leaves the input alone until the op completes), else a copy."""
+        if self.x.compact:
+            ids = np.searchsorted(self.x.rows, ids)  # where they are among the values
         first = blocks.contiguous_start(ids)
         if first is not None and self.x.source.flags.c_contiguous:
             return self.x.source[first : first + len(ids)].reshape(-1)

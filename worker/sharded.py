@@ -56,7 +56,7 @@ from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClose
 from omnireduce.layout import shard_eager_pieces
 from worker.client import Worker
 from worker.cuda import check_cuda_torch_dtype, is_cuda_tensor
-from worker.knownrows import KnownRows, known_rows
+from worker.knownrows import KnownRows, dense_request, known_rows
 from worker.loop import CommLoop
 from worker.op import LAZY_ZEROS_BYTES, check_destination, lazy_zeros, pages_written
 from worker.rows import RowPieces, ShardChunk, SparseRows, is_rows, rows_op_data
@@ -276,6 +276,9 @@ class ShardedWorker(SettingsView):
             WorkerClosedError: the worker is closed, or a shard refused an earlier op.
         """
         rows = kwargs.pop("rows", None)
+        if kwargs.pop("dense", False) and not isinstance(x, KnownRows):
+            x = dense_request(x, rows, inplace, out, self.world_size)
+            rows = None
         if rows is not None:
             x = known_rows(x, rows, inplace, out, self.world_size)
         parts, key = self._parts_for(x, kwargs)

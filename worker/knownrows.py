@@ -12,6 +12,9 @@ The caller's promise is that the rows not listed are zero: they are not read, so
 nonzero value there is left out of the sum. In a new result (or ``out``) every row
 outside the union is zero; in place, such rows are not written at all.
 
+``allreduce(coo, dense=True)`` is the same for a sparse tensor (:func:`dense_sum_of`): its
+rows are sent as they are, and the sums land in a dense result instead of a sparse one.
+
 On a sharded worker the rows are dealt round-robin as a sparse tensor's are (row
 ``r`` to the op's part ``r % P`` of ``P``, the parts going to the shards in turn).
 Each part reads and writes its rows through a strided view of the tensor (every

@@ -158,3 +158,30 @@ def test_keyword_lookups_retracking_and_gpu_buckets() -> None:
     # A bucket that is not a CPU buffer takes the usual path, and its tables' ids are consumed.
     assert tracker.bucket_parts(_Elsewhere([model.a.weight])) is None
     assert tracker._ids[id(model.a.weight)] == []
+
+
+class _Doubling(_Worker):
+    """Two ranks holding the same gradients: every op's sum is twice its input, written in place."""
+
+    def allreduce_async(self, x: Any, **kw: Any) -> Future:
+        if isinstance(x, KnownRows):
+            x.dest[x.rows] *= 2
+        else:
+            x.mul_(2)
+        return super().allreduce_async(x, **kw)
+
+
+def test_dense_pieces_apart_go_as_one_copy_whose_sum_is_written_back() -> None:
+    model = _Model()
+    extra = nn.Linear(3, 2)  # its weight and bias lie on either side of table a in the bucket
+    state = OmniReduceState(_Doubling(), average=False)
+    track_embedding_rows(state, model)
+    model(torch.tensor([1, 6])).backward()
+    extra(torch.ones(1, 3)).sum().backward()
+    bucket = _Bucket([extra.weight, model.a.weight, extra.bias])
+    before = bucket.buffer().clone()
+    omnireduce_hook(state, bucket).wait()
+    kinds = [("rows" if rows is not None else "dense", tuple(x.shape)) for x, rows in state.worker.calls]
+    assert kinds == [("rows", (20, 4)), ("dense", (8,))]
+    # Every nonzero element doubled, wherever it lies: the dense copy's sum went back to both pieces.
+    assert torch.equal(bucket.buffer(), 2 * before)

@@ -129,6 +129,18 @@ def test_a_table_read_outside_its_lookups_is_dropped_and_still_matches_gloo(agg,
         torch.testing.assert_close(res["got"], res["expected"])
 
 
+def test_ranks_that_disagree_on_a_tracked_table_fail_on_every_rank(agg, tmp_path) -> None:
+    results = run_procs("rows_disagree_case", 2, tmp_path, agg.address)
+    assert results[0]["dropped"] == ["module.emb"] and results[1]["dropped"] == []
+    for res in results:
+        # Rank 0 sent the bucket whole (mask pass), rank 1 its table as rows: the layouts
+        # differ, and backward() raises on both, naming the failed bucket.
+        assert res["error"] is not None, res
+        name, is_runtime, text = res["error"]
+        assert is_runtime and "omnireduce allreduce of DDP bucket" in text and "MismatchError" in text, res
+        assert res["state_error"] == "MismatchError"
+
+
 def test_hook_traffic_is_a_fraction_of_dense(agg, tmp_path) -> None:
     (res, _) = run_procs("ddp_case", 2, tmp_path, agg.address, "traffic")
     stats = res["stats"]

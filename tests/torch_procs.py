@@ -661,3 +661,26 @@ def collectives_case(rank: int, world: int, address: str) -> dict[str, Any]:
     groups["jobs"] = (ours.worker.job, sub.worker.job)
     out["groups"] = groups
     return out
+
+
+def rows_disagree_case(rank: int, world: int, address: str) -> dict[str, Any]:
+    """Tracked embedding rows where only rank 0's table gets gradients outside its lookups: rank 0
+    drops the table at its first check and sends the bucket by the mask pass, the others as rows.
+    What each rank sees from backward()."""
+    from worker import Worker
+    from worker.ddp import OmniReduceState, omnireduce_hook
+    from worker.embedding_rows import track_embedding_rows
+
+    model = DDP(_model(misused=rank == 0))
+    with Worker(address, rank=rank, world_size=world, job=f"rows-disagree-{world}", timeout=5) as w:
+        state = OmniReduceState(w)
+        model.register_comm_hook(state, omnireduce_hook)
+        track_embedding_rows(state, model, verify_every=1)
+        error = None
+        try:
+            _loss(model, rank, 0).backward()
+        except Exception as e:  # noqa: BLE001 - the test checks type and text
+            error = (type(e).__name__, isinstance(e, RuntimeError), str(e))
+        rows = state.rows
+        assert rows is not None
+        return {"error": error, "dropped": list(rows.dropped), "state_error": type(state.error).__name__}

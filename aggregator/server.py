@@ -359,8 +359,8 @@ class Aggregator:
     def _heartbeats(self, liveness: Liveness, now: float) -> None:
         """Drops the connections silent past the timeout; sends heartbeats to the idle ones."""
         silent, idle = liveness.due(now)
+        why = f"sent nothing for {liveness.timeout:g} s (no heartbeat)"
         for peer in silent:
-            why = f"sent nothing for {liveness.timeout:g} s (no heartbeat)"
             self._log(logging.WARNING, "connection %s %s: dropping it", peer.hex(), why)
             # It may only be paused: once it reads again, it learns to connect anew.
             self._send_all([(peer, self._dropped_error)])

@@ -10,9 +10,9 @@ A worker's connection first says who it is (HELLO: job, rank, world size,
 generation, job token); the aggregator binds the connection to that rank of that
 job and answers only if it refuses (ERROR); BYE says it leaves on purpose (a
 connection that closes without it counts as lost). Either end sends a HEARTBEAT when
-it has heard nothing for a while, and the other answers it; a connection silent for too long counts as lost
-(the aggregator tells the worker with an ERROR of code DROPPED). Then, per op (job id +
-op number) and stream::
+it has heard nothing for a while, and the other answers it; a connection silent for too
+long counts as lost (the aggregator tells the worker with an ERROR of code DROPPED).
+Then, per op (job id + op number) and stream::
 
     worker                                   aggregator
       START   (first nonzero block of every column)  ->   round 0: pointers only
@@ -277,9 +277,9 @@ class Heartbeat:
     a heartbeat falls due on a connection whose reading is paused (back-pressure) and
     whose peer has left. An end with heartbeats on sends one after ``interval`` seconds
     without receiving anything (at most one per interval), and counts its peer as lost
-    after ``timeout`` seconds without receiving anything. Every end answers each heartbeat that is not itself an
-    answer (``reply`` True), whatever its own settings: each end's timeout then rests on
-    its own interval only. ``job`` is the worker's job, or ``"?"`` from the aggregator (a
+    after ``timeout`` seconds without receiving anything. Every end answers each heartbeat
+    that is not itself an answer (``reply`` True), whatever its own settings: each end's
+    timeout then rests on its own interval only. ``job`` is the worker's job, or ``"?"`` from the aggregator (a
     heartbeat is about the connection, not a job). No frames.
     """
 

@@ -146,18 +146,26 @@ def test_bad_rows_are_config_errors_before_an_op_number(aggregator: Aggregator, 
         (x, {"rows": [2], "weight": 0}, "weight must be"),
     ]
 
-    def rank(r: int) -> tuple[np.ndarray, int]:
-        with connect(address, rank=r, world_size=2, job="bad", **OPTS) as w:
+    for res in _refused_then_summed(address, "bad", bad, x, {"rows": [2]}):
+        np.testing.assert_array_equal(res, 2 * x)
+
+
+def _refused_then_summed(address: Any, job: str, bad: list[tuple[Any, dict[str, Any], str]], x: Any,
+                         options: dict[str, Any]) -> list[Any]:
+    """Rank 0 is refused each of ``bad`` (a ConfigError matching its text), then both ranks sum
+    ``x``: no op number was taken, so that op pairs with rank 1's first. The sums."""
+
+    def rank(r: int) -> Any:
+        with connect(address, rank=r, world_size=2, job=job, **OPTS) as w:
             if r == 0:
                 for t, kwargs, match in bad:
                     with pytest.raises(ConfigError, match=match):
                         w.allreduce(t, **kwargs)
-            # No op number was taken: the next op pairs with the other rank's first.
-            return w.allreduce(x, rows=[2]), w.stats.ops
+            res = w.allreduce(x, **options)
+            assert w.stats.ops == 1
+            return res
 
-    for res, ops in run_ranks(2, rank):
-        np.testing.assert_array_equal(res, 2 * x)
-        assert ops == 1
+    return run_ranks(2, rank)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_aggregator", "two_shards"])
@@ -235,13 +243,5 @@ def test_dense_on_request_refuses_what_does_not_fit(aggregator: Aggregator) -> N
         (s, {"dense": True, "out": np.zeros(11, np.float32)}, "out must be a writeable flat float32 array of 12"),
     ]
 
-    def rank(r: int) -> tuple[Any, int]:
-        with Worker(aggregator.address, rank=r, world_size=2, job="dense-bad", **OPTS) as w:
-            if r == 0:
-                for x, kwargs, match in bad:
-                    with pytest.raises(ConfigError, match=match):
-                        w.allreduce(x, **kwargs)
-            return w.allreduce(s, dense=True), w.stats.ops
-
-    for res, ops in run_ranks(2, rank):
-        assert torch.equal(res, 2 * t) and ops == 1
+    for res in _refused_then_summed(aggregator.address, "dense-bad", bad, s, {"dense": True}):
+        assert torch.equal(res, 2 * t)

@@ -30,7 +30,7 @@ from omnireduce.layout import Layout
 from worker.auto import PathChooser
 from worker.connection import Connection
 from worker.cuda import CudaOpData, is_cuda_tensor
-from worker.knownrows import KnownRows, KnownRowsOpData, dense_request, known_rows
+from worker.knownrows import KnownRows, KnownRowsOpData, as_known
 from worker.loop import CommLoop
 from worker.op import OpRequest, check_destination
 from worker.rows import RowsOpData, is_rows, rows_op_data
@@ -214,12 +214,9 @@ class Worker(SettingsView):
                 config.check_number(name, v, positive=positive)
         data: CudaOpData | RowsOpData | KnownRowsOpData | None = None
         layout: Layout | None = None
-        if dense and not isinstance(x, KnownRows):
-            x = dense_request(x, rows, inplace, out, self.world_size)
-            inplace, out = False, None
-        if rows is not None and not isinstance(x, KnownRows):
-            x = known_rows(x, rows, inplace, out, self.world_size)
-            inplace, out = False, None
+        known = as_known(x, rows, dense, inplace, out, self.world_size)
+        if known is not None:
+            x, inplace, out = known, False, None
         if isinstance(x, KnownRows):  # rows= given, or a sharded op's part of such an op
             data = KnownRowsOpData(x)
             flat, dtype, length = None, data.dtype, data.length

@@ -17,8 +17,8 @@ nothing of a dead connection reaches the next one ahead of its HELLO.
 Heartbeats (:class:`omnireduce.protocol.Heartbeat`; ZeroMQ's own are off) find an
 aggregator that is paused or unreachable: the thread sends one after ``heartbeat``
 seconds without hearing anything (at most one per interval; the aggregator answers
-it), and counts the connection as lost after
-``heartbeat_timeout`` seconds without hearing anything, or when the aggregator says
+it), and counts the connection as lost after ``heartbeat_timeout`` seconds without
+hearing anything, or when the aggregator says
 it dropped the connection (an ERROR of code DROPPED, after this worker was silent,
 e.g. paused); the socket is then replaced by a new one, which connects anew.
 """

@@ -140,17 +140,8 @@ class RowTracker:
                 dense.append(grad)
                 continue
             width = p.shape[1]
-            seen = looked_up[id(p)]
-            ids = np.unique(torch.cat(seen).cpu().numpy()).astype(np.int64, copy=False) if seen else (
-                np.empty(0, dtype=np.int64))
             view = grad.view(-1, width)
-            before = written.get(id(p))
-            if before is not None and len(before):
-                # Gradients accumulated over synced steps (not zeroed): rows summed last time
-                # that are nonzero again go too, else the others' copies would be left out.
-                still = view.index_select(0, torch.from_numpy(before)).ne(0).any(1).numpy()
-                if still.any():
-                    ids = np.union1d(ids, before[still])
+            ids = _rows_to_send(view, looked_up[id(p)], written.get(id(p)))
             if check and not self._verify(view, ids, p, bucket):
                 dense.append(grad)
                 continue
@@ -188,6 +179,19 @@ class RowTracker:
             bucket.index(), len(outside), name,
         )
         return False
+
+
+def _rows_to_send(view: torch.Tensor, seen: list[torch.Tensor], before: np.ndarray | None) -> np.ndarray:
+    """A table's rows that may be nonzero, ascending: the ids looked up through it (``seen``),
+    and the rows its last op summed (``before``) that are nonzero again: gradients accumulated
+    over synced steps without zeroing, whose other ranks' copies would else be left out."""
+    ids = np.unique(torch.cat(seen).cpu().numpy()).astype(np.int64, copy=False) if seen else (
+        np.empty(0, dtype=np.int64))
+    if before is not None and len(before):
+        still = view.index_select(0, torch.from_numpy(before)).ne(0).any(1).numpy()
+        if still.any():
+            ids = np.union1d(ids, before[still])
+    return ids
 
 
 class Part:

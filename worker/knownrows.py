@@ -33,11 +33,11 @@ from omnireduce import blocks
 from omnireduce.dtypes import DType
 from omnireduce.errors import ConfigError
 from omnireduce.layout import Layout
-from worker.op import check_destination, lazy_zeros, pages_written
-from worker.rows import RowBlocks, SparseRows, is_rows
+from worker.op import check_destination, check_out, sparse_result
+from worker.rows import RowBlocks, SparseRows, deal_order, is_rows
 from worker.tensors import is_torch, shares_memory, to_flat
 
-__all__ = ["KnownRows", "KnownRowsOpData", "dense_request", "dense_sum_of", "known_rows"]
+__all__ = ["KnownRows", "KnownRowsOpData", "as_known", "dense_sum_of", "known_rows"]
 
 
 class KnownRows:
@@ -53,7 +53,9 @@ class KnownRows:
         dtype: the wire type.
         holds_own: ``dest`` already holds this rank's rows (in place): a row that only
             this rank sent sums to itself and need not be written.
-        result: the caller's result, once every part is summed into ``dest``.
+        result: the caller's result once every part is summed into ``dest``: the input
+            itself in place, else the dense sum in the input's type and shape (None for a
+            sharded op's part).
         written: where the rows written are recorded (see :meth:`union`); None: not recorded.
         stride: a part's row ``i`` is the tensor's row ``i * stride + phase``.
         phase: see ``stride``.
@@ -61,7 +63,7 @@ class KnownRows:
             not every row of the tensor.
     """
 
-    __slots__ = ("source", "dest", "rows", "dtype", "holds_own", "_result", "written", "stride", "phase",
+    __slots__ = ("source", "dest", "rows", "dtype", "holds_own", "result", "written", "stride", "phase",
                  "compact")
 
     def __init__(self, source: np.ndarray, dest: np.ndarray, rows: np.ndarray, dtype: DType, holds_own: bool,
@@ -72,7 +74,7 @@ class KnownRows:
         self.rows = rows
         self.dtype = dtype
         self.holds_own = holds_own
-        self._result = result
+        self.result = result
         self.written = written
         self.stride = stride
         self.phase = phase
@@ -103,10 +105,6 @@ class KnownRows:
         """The dense tensor's bytes (what a sharded worker sizes an op from)."""
         return self.num_rows * self.width * self.dtype.itemsize
 
-    def result(self) -> Any:
-        """The caller's result: the input itself in place, else the dense sum in the input's type and shape."""
-        return self._result
-
     def deal(self, parts: int) -> list[KnownRows]:
         """The rows dealt round-robin: row ``r`` becomes row ``r // parts`` of part ``r % parts``.
 
@@ -115,12 +113,7 @@ class KnownRows:
         """
         if parts == 1:
             return [self]
-        shard = self.rows % parts
-        edges = np.zeros(parts + 1, dtype=np.int64)
-        np.cumsum(np.bincount(shard, minlength=parts), out=edges[1:])
-        # Grouped by part, rows ascending within each (a stable sort on small keys).
-        order = np.argsort(shard.astype(np.uint16 if parts <= 1 << 16 else np.int64), kind="stable")
-        local = self.rows[order] // parts
+        order, edges, local = deal_order(self.rows, parts)
         # A compact source (a sparse tensor's values) is dealt as its rows are: one copy.
         values = self.source.take(order, axis=0) if self.compact else None
         return [
@@ -171,9 +164,7 @@ def known_rows(x: Any, rows: Any, inplace: bool = False, out: np.ndarray | None 
     if inplace:
         return KnownRows(source, source, ids, dtype, True, x, written=log)
     if out is None:
-        own = len(ids) / num_rows if num_rows else 0.0
-        pages = pages_written(own, world_size, width * dtype.itemsize)
-        out = lazy_zeros(len(flat), np.dtype(dtype.storage), pages)
+        out = sparse_result(len(flat), dtype, len(ids) / num_rows if num_rows else 0.0, world_size, width)
     return KnownRows(source, out.reshape(num_rows, width), ids, dtype, False, restore(out), written=log)
 
 
@@ -199,24 +190,26 @@ def dense_sum_of(x: Any, out: np.ndarray | None = None, world_size: int = 2) -> 
     width = sr.row_width
     values = np.ascontiguousarray(sr.values).reshape(len(sr.rows), width)
     length = sr.num_rows * width
-    storage = np.dtype(sr.dtype.storage)
-    if out is not None:
-        if not isinstance(out, np.ndarray) or out.shape != (length,) or out.dtype != storage or not out.flags.writeable:
-            raise ConfigError(f"out must be a writeable flat {storage} array of {length} elements")
-    else:
-        own = len(sr.rows) / sr.num_rows if sr.num_rows else 0.0
-        out = lazy_zeros(length, storage, pages_written(own, world_size, width * sr.dtype.itemsize))
+    check_out(out, length, sr.dtype)
+    if out is None:
+        out = sparse_result(length, sr.dtype, len(sr.rows) / sr.num_rows if sr.num_rows else 0.0, world_size, width)
     shape = sr.dense_shape
     result = from_storage(out, sr.dtype).reshape(shape) if is_torch(x) else out.reshape(shape)
     return KnownRows(values, out.reshape(sr.num_rows, width), sr.rows, sr.dtype, False, result, compact=True)
 
 
-def dense_request(x: Any, rows: Any, inplace: bool, out: Any, world_size: int) -> KnownRows:
-    """The op of ``allreduce(x, dense=True)``: checks the request, then :func:`dense_sum_of`.
+def as_known(x: Any, rows: Any, dense: bool, inplace: bool, out: Any, world_size: int) -> KnownRows | None:
+    """The :class:`KnownRows` of an allreduce asked with ``rows=`` (:func:`known_rows`) or
+    ``dense=True`` (:func:`dense_sum_of`), or None when neither was asked (or ``x`` is one already).
 
     Raises:
-        ConfigError: ``x`` is not sparse, or ``rows``/``inplace`` asked with it.
+        ConfigError: the request does not fit ``x`` (``dense=True`` of a dense tensor, or with
+            ``rows=`` or ``inplace``; see the functions for the rest).
     """
+    if isinstance(x, KnownRows) or (rows is None and not dense):
+        return None
+    if not dense:
+        return known_rows(x, rows, inplace, out, world_size)
     if not is_rows(x):
         raise ConfigError("dense=True is for sparse tensors (a dense tensor's sum is dense already)")
     if rows is not None or inplace:
@@ -234,7 +227,9 @@ def _row_ids(rows: Any, num_rows: int) -> np.ndarray:
     arr = np.asarray(rows)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ConfigError(f"rows= must be a 1-D array of integer row indices, got shape {arr.shape} of {arr.dtype}")
-    ids = np.unique(arr.astype(np.int64, copy=False))
+    ids = arr.astype(np.int64, copy=False)
+    if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        ids = np.unique(ids)  # sorted already (as the DDP hook's are): no sort
     if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= num_rows):
         bad = int(ids[0]) if int(ids[0]) < 0 else int(ids[-1])
         raise ConfigError(f"rows= holds row {bad}, outside the tensor's {num_rows} rows")
@@ -276,5 +271,5 @@ class KnownRowsOpData(RowBlocks):
         self.x.record(ids)
 
     def restore(self, _out: Any) -> Any:
-        """The caller's result (see :meth:`KnownRows.result`); None for a sharded op's part."""
-        return self.x.result()
+        """The caller's result (see :class:`KnownRows`); None for a sharded op's part."""
+        return self.x.result

@@ -38,7 +38,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LAZY_ZEROS_BYTES", "OpRequest", "WorkerOp", "lazy_zeros", "pages_written", "check_destination"]
+__all__ = [
+    "LAZY_ZEROS_BYTES", "OpRequest", "WorkerOp", "lazy_zeros", "pages_written", "sparse_result", "check_out",
+    "check_destination",
+]
 
 #: From this size on, a sparse result is allocated as an anonymous mapping (see lazy_zeros).
 LAZY_ZEROS_BYTES = 1 << 22
@@ -76,6 +79,25 @@ def pages_written(own: float, world_size: int, block_bytes: int) -> float:
     return 1.0 - (1.0 - union) ** per_page
 
 
+def sparse_result(length: int, dtype: DType, own: float, world_size: int, block_size: int) -> np.ndarray:
+    """A zero-filled result of ``length`` elements for an op of which this rank holds an ``own``
+    fraction of the blocks: lazily zeroed pages where the union will touch few of them."""
+    return lazy_zeros(length, np.dtype(dtype.storage), pages_written(own, world_size, block_size * dtype.itemsize))
+
+
+def check_out(out: np.ndarray | None, length: int, dtype: DType) -> None:
+    """Checks an op's ``out`` (if given): a writeable flat array of ``length`` elements of ``dtype``'s storage type.
+
+    Raises:
+        ConfigError: it is not.
+    """
+    storage = np.dtype(dtype.storage)
+    if out is not None and (
+        not isinstance(out, np.ndarray) or out.shape != (length,) or out.dtype != storage or not out.flags.writeable
+    ):
+        raise ConfigError(f"out must be a writeable flat {storage} array of {length} elements")
+
+
 def check_destination(flat: np.ndarray, dtype: DType, inplace: bool, out: np.ndarray | None) -> None:
     """Checks where an op's sum is to go: into ``flat`` itself, or into ``out``.
 
@@ -87,11 +109,7 @@ def check_destination(flat: np.ndarray, dtype: DType, inplace: bool, out: np.nda
         raise ConfigError("inplace and out cannot be used together")
     if inplace and not flat.flags.writeable:
         raise ConfigError("an in-place allreduce needs a writeable tensor")
-    storage = np.dtype(dtype.storage)
-    if out is not None and (
-        not isinstance(out, np.ndarray) or out.shape != (len(flat),) or out.dtype != storage or not out.flags.writeable
-    ):
-        raise ConfigError(f"out must be a writeable flat {storage} array of {len(flat)} elements")
+    check_out(out, len(flat), dtype)
 
 
 @dataclass(slots=True)
@@ -207,8 +225,7 @@ class WorkerOp:
                 self.out = np.empty(layout.length, dtype.storage)  # every block is written
             else:
                 own = float(np.count_nonzero(mask)) / len(mask) if len(mask) else 0.0
-                written = pages_written(own, world_size, layout.block_size * dtype.itemsize)
-                self.out = lazy_zeros(layout.length, dtype.storage, written)
+                self.out = sparse_result(layout.length, dtype, own, world_size, layout.block_size)
         #: One row of blocks (a rows op lays one row per column): no column has a block
         #: after its first, so the START carries the blocks too and the op takes one round
         #: trip (an eager op; see omnireduce.protocol).

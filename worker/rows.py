@@ -30,8 +30,8 @@ from omnireduce.layout import Layout
 from worker.tensors import from_storage, is_torch, to_flat
 
 __all__ = [
-    "ROWS_MESSAGE_BYTES", "RowBlocks", "SparseRows", "RowsOpData", "is_rows", "is_sparse_torch", "rows_layout",
-    "rows_op_data",
+    "ROWS_MESSAGE_BYTES", "RowBlocks", "SparseRows", "RowsOpData", "deal_order", "is_rows", "is_sparse_torch",
+    "rows_layout", "rows_op_data",
 ]
 
 #: Payload bytes a rows op's message carries at most (the aggregator refuses frames over
@@ -159,12 +159,7 @@ class SparseRows:
         if parts == 1:
             return [self if type(self) is kind else kind._unchecked(self.rows, self.values, self.num_rows, None,
                                                                     self.dtype)]
-        shard = self.rows % parts
-        # Grouped by part, rows ascending within each (a stable sort; radix on small keys).
-        order = np.argsort(shard.astype(np.uint16 if parts <= 1 << 16 else np.int64), kind="stable")
-        edges = np.zeros(parts + 1, dtype=np.int64)
-        np.cumsum(np.bincount(shard, minlength=parts), out=edges[1:])
-        rows = self.rows[order] // parts
+        order, edges, rows = deal_order(self.rows, parts)
         values = self.values.take(order, axis=0)
         # Each part's rows are increasing and within its row count, as this tensor's are.
         return [
@@ -373,6 +368,22 @@ class RowsOpData(RowBlocks):
             return RowPieces(pieces, self.x)
         result = self.finish()
         return result if self.sparse_dim is None else result.to_torch(self.sparse_dim)
+
+
+def deal_order(rows: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """How ascending ``rows`` are dealt round-robin: row ``r`` to part ``r % parts``, as its row ``r // parts``.
+
+    Returns:
+        ``(order, edges, local)``: the rows grouped by part (``rows[order]``, ascending
+        within each part), where each part's run starts (``parts + 1`` offsets), and the
+        grouped rows' numbers within their parts.
+    """
+    shard = rows % parts
+    # A stable sort keeps each part's rows ascending (radix on small keys).
+    order = np.argsort(shard.astype(np.uint16 if parts <= 1 << 16 else np.int64), kind="stable")
+    edges = np.zeros(parts + 1, dtype=np.int64)
+    np.cumsum(np.bincount(shard, minlength=parts), out=edges[1:])
+    return order, edges, rows[order] // parts
 
 
 def rows_layout(num_rows: int, width: int, dtype: DType) -> Layout:

@@ -56,7 +56,7 @@ from omnireduce.errors import ConfigError, OmniReduceError, OpError, WorkerClose
 from omnireduce.layout import shard_eager_pieces
 from worker.client import Worker
 from worker.cuda import check_cuda_torch_dtype, is_cuda_tensor
-from worker.knownrows import KnownRows, dense_request, known_rows
+from worker.knownrows import KnownRows, as_known
 from worker.loop import CommLoop
 from worker.op import LAZY_ZEROS_BYTES, check_destination, lazy_zeros, pages_written
 from worker.rows import RowPieces, ShardChunk, SparseRows, is_rows, rows_op_data
@@ -275,19 +275,16 @@ class ShardedWorker(SettingsView):
             ConfigError: ``x`` is not supported, or ``inplace``/``out`` do not fit it.
             WorkerClosedError: the worker is closed, or a shard refused an earlier op.
         """
-        rows = kwargs.pop("rows", None)
-        if kwargs.pop("dense", False) and not isinstance(x, KnownRows):
-            x = dense_request(x, rows, inplace, out, self.world_size)
-            rows = None
-        if rows is not None:
-            x = known_rows(x, rows, inplace, out, self.world_size)
+        known = as_known(x, kwargs.pop("rows", None), kwargs.pop("dense", False), inplace, out, self.world_size)
+        if known is not None:
+            x = known
         parts, key = self._parts_for(x, kwargs)
         device = False
         if isinstance(x, KnownRows):
             # Each shard's part reads and writes its rows through a strided view: nothing to join.
             chunks = x.deal(parts)
             chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
-            finish: Any = lambda _results, x=x: x.result()  # noqa: E731
+            finish: Any = lambda _results, x=x: x.result  # noqa: E731
         elif is_rows(x):
             chunks, finish = self._split_rows(x, inplace, out, parts)
             chunk_kwargs = [{} for _ in chunks]

@@ -159,6 +159,21 @@ def test_reducer_without_ddp_matches_gloo(agg, tmp_path, world: int) -> None:
         assert res["ops"] == res["buckets"] * res["steps"]
 
 
+def test_reducer_sends_sparse_embedding_gradients_as_their_rows(agg, tmp_path) -> None:
+    # nn.Embedding(sparse=True) gives COO gradients, which the reducer's flat buckets could not hold.
+    from tests.torch_procs import VOCAB
+
+    steps = 4
+    for res in run_procs("reducer_case", 3, tmp_path, agg.address, steps, True):
+        torch.testing.assert_close(res["got"], res["expected"])
+        # The gradients left for the optimizer have gloo's layouts: sparse for the tables.
+        assert res["layouts"] == res["ref_layouts"]
+        assert "torch.sparse_coo" in res["layouts"]
+        assert res["ops"] == res["buckets"] * steps
+        # Only looked-up rows travel: far less than the 4000-row table once per step.
+        assert res["bytes"]["bytes_sent"] < steps * VOCAB * 16 * 4 / 4
+
+
 def test_backend_collectives_and_ddp(agg, tmp_path) -> None:
     world = 3
     results = run_procs("backend_case", world, tmp_path, agg.address)

@@ -52,8 +52,26 @@ class MisusedClickModel(ClickModel):
         return super().forward(idx, offsets) + self.emb.weight[:5].sum() * 0.01
 
 
-def _model(unused: bool = False, vocab: int = VOCAB, misused: bool = False) -> ClickModel:
+class RareTableClickModel(ClickModel):
+    """Sparse COO gradients: its table with ``sparse=True``, and a second sparse table that
+    only some batches use (on a step, some ranks have no gradient for it)."""
+
+    def __init__(self, unused: bool = False, vocab: int = VOCAB) -> None:
+        super().__init__(unused, vocab)
+        self.emb.sparse = True
+        self.rare = nn.Embedding(50, 3, sparse=True)
+
+    def forward(self, idx: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        out = super().forward(idx, offsets)
+        if int(idx[0]) % 2 == 0:
+            out = out + self.rare(idx[:3] % 50).sum()
+        return out
+
+
+def _model(unused: bool = False, vocab: int = VOCAB, misused: bool = False, sparse: bool = False) -> ClickModel:
     torch.manual_seed(0)
+    if sparse:
+        return RareTableClickModel(unused, vocab)
     return (MisusedClickModel if misused else ClickModel)(unused, vocab)
 
 
@@ -135,13 +153,33 @@ def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> 
             "tables": tables, "rows_buckets": rows.buckets if rows else 0, "dropped": rows.dropped if rows else []}
 
 
-def reducer_case(rank: int, world: int, address: str, steps: int = 4) -> dict[str, Any]:
+def _gloo_sum(p: torch.Tensor, world: int) -> None:
+    """The reference's mean gradient of ``p`` (sparse ones through gloo's sparse allreduce)."""
+    sparse = id(p) in _SPARSE
+    if p.grad is None:
+        # Unused here; another rank may have used it.
+        g = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64), torch.empty((0, *p.shape[1:])),
+                                    tuple(p.shape)) if sparse else torch.zeros_like(p)
+    else:
+        g = p.grad
+    dist.all_reduce(g)
+    g = g / world
+    if p.grad is not None or (g._nnz() if g.is_sparse else g.count_nonzero()):
+        p.grad = g
+
+
+_SPARSE: set[int] = set()
+
+
+def reducer_case(rank: int, world: int, address: str, steps: int = 4, sparse: bool = False) -> dict[str, Any]:
     """GradientReducer (no DDP) against a hand-written gloo all_reduce of every gradient."""
     from worker import Worker
     from worker.reducer import GradientReducer
 
-    ref = _model(unused=True)
-    ours = _model(unused=True)
+    ref = _model(unused=True, sparse=sparse)
+    ours = _model(unused=True, sparse=sparse)
+    if sparse:
+        _SPARSE.update([id(ref.emb.weight), id(ref.rare.weight)])
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(ours.parameters(), lr=0.5)
     with Worker(address, rank=rank, world_size=world, job=f"reducer-{world}", timeout=30) as w:
@@ -150,9 +188,7 @@ def reducer_case(rank: int, world: int, address: str, steps: int = 4) -> dict[st
             opt_ref.zero_grad()
             _loss(ref, rank, step).backward()
             for p in ref.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)
-                    p.grad.div_(world)
+                _gloo_sum(p, world)
             opt_ref.step()
             opt.zero_grad()
             with reducer.no_sync():
@@ -163,10 +199,13 @@ def reducer_case(rank: int, world: int, address: str, steps: int = 4) -> dict[st
             opt.step()
         buckets = reducer.num_buckets
         ops = w.stats.ops
+        layouts = [str(p.grad.layout) if p.grad is not None else None for p in ours.parameters()]
+        ref_layouts = [str(p.grad.layout) if p.grad is not None else None for p in ref.parameters()]
     return {
         "expected": [p.detach().clone() for p in ref.parameters()],
         "got": [p.detach().clone() for p in ours.parameters()],
-        "buckets": buckets, "ops": ops, "steps": steps,
+        "buckets": buckets, "ops": ops, "steps": steps, "layouts": layouts, "ref_layouts": ref_layouts,
+        "bytes": w.stats.total.as_dict(),
     }
 
 

@@ -159,6 +159,12 @@ def test_reducer_without_ddp_matches_gloo(agg, tmp_path, world: int) -> None:
         assert res["ops"] == res["buckets"] * res["steps"]
 
 
+def test_reducer_weights_each_rank_by_its_samples(agg, tmp_path) -> None:
+    # Unequal batches: sum(n_i * g_i) / sum(n_i), dense and sparse buckets alike.
+    for res in run_procs("reducer_case", 3, tmp_path, agg.address, 3, True, True):
+        torch.testing.assert_close(res["got"], res["expected"])
+
+
 def test_reducer_sends_sparse_embedding_gradients_as_their_rows(agg, tmp_path) -> None:
     # nn.Embedding(sparse=True) gives COO gradients, which the reducer's flat buckets could not hold.
     from tests.torch_procs import VOCAB

@@ -153,8 +153,9 @@ def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> 
             "tables": tables, "rows_buckets": rows.buckets if rows else 0, "dropped": rows.dropped if rows else []}
 
 
-def _gloo_sum(p: torch.Tensor, world: int) -> None:
-    """The reference's mean gradient of ``p`` (sparse ones through gloo's sparse allreduce)."""
+def _gloo_sum(p: torch.Tensor, world: int, share: float | None = None) -> None:
+    """The reference's mean gradient of ``p`` (sparse ones through gloo's sparse allreduce);
+    with ``share`` (this rank's share of the samples), the samples-weighted mean."""
     sparse = id(p) in _SPARSE
     if p.grad is None:
         # Unused here; another rank may have used it.
@@ -162,8 +163,11 @@ def _gloo_sum(p: torch.Tensor, world: int) -> None:
                                     tuple(p.shape)) if sparse else torch.zeros_like(p)
     else:
         g = p.grad
+    if share is not None:
+        g = g * share
     dist.all_reduce(g)
-    g = g / world
+    if share is None:
+        g = g / world
     if p.grad is not None or (g._nnz() if g.is_sparse else g.count_nonzero()):
         p.grad = g
 
@@ -171,8 +175,10 @@ def _gloo_sum(p: torch.Tensor, world: int) -> None:
 _SPARSE: set[int] = set()
 
 
-def reducer_case(rank: int, world: int, address: str, steps: int = 4, sparse: bool = False) -> dict[str, Any]:
-    """GradientReducer (no DDP) against a hand-written gloo all_reduce of every gradient."""
+def reducer_case(rank: int, world: int, address: str, steps: int = 4, sparse: bool = False,
+                 weighted: bool = False) -> dict[str, Any]:
+    """GradientReducer (no DDP) against a hand-written gloo all_reduce of every gradient;
+    ``weighted``: rank r counts r + 1 samples (the samples-weighted mean)."""
     from worker import Worker
     from worker.reducer import GradientReducer
 
@@ -184,11 +190,15 @@ def reducer_case(rank: int, world: int, address: str, steps: int = 4, sparse: bo
     opt = torch.optim.SGD(ours.parameters(), lr=0.5)
     with Worker(address, rank=rank, world_size=world, job=f"reducer-{world}", timeout=30) as w:
         reducer = GradientReducer(ours, w, bucket_cap_mb=0.01)
+        share = None
+        if weighted:
+            reducer.samples = rank + 1
+            share = (rank + 1) / (world * (world + 1) / 2)
         for step in range(steps):
             opt_ref.zero_grad()
             _loss(ref, rank, step).backward()
             for p in ref.parameters():
-                _gloo_sum(p, world)
+                _gloo_sum(p, world, share)
             opt_ref.step()
             opt.zero_grad()
             with reducer.no_sync():

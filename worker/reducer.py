@@ -63,6 +63,7 @@ class GradientReducer:
         model: the model whose parameters' gradients are reduced.
         worker: the connected worker of this rank.
         average: divide by the world size (the mean gradient, as DDP computes).
+            Overridden by :attr:`samples` when that is set.
         bucket_cap_mb: bucket size in MiB (DDP's default is 25).
 
     Raises:
@@ -75,6 +76,11 @@ class GradientReducer:
         config.check_number("bucket_cap_mb", bucket_cap_mb)
         self.worker = worker
         self.average = average
+        #: This rank's sample count in the current step (set before ``backward()``), for
+        #: replicas given unequal batches: every bucket is then the samples-weighted mean
+        #: ``sum(samples_i * grad_i) / sum(samples_i)`` (the aggregator weights it), not the
+        #: plain mean. None: the plain mean (or sum, without ``average``).
+        self.samples: float | None = None
         self.error: BaseException | None = None
         self._enabled = True
         params = [p for p in model.parameters() if p.requires_grad]
@@ -138,7 +144,8 @@ class GradientReducer:
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
-        divide = self.average and self.worker.world_size > 1
+        weight = self.samples
+        divide = weight is None and self.average and self.worker.world_size > 1
         if b.sparse:
             p = b.params[0]
             grad = p.grad if p.grad is not None else _no_rows(p)
@@ -156,7 +163,7 @@ class GradientReducer:
             key = ("bucket", b.index)
         b.buffer = flat
         try:
-            b.future = self.worker.allreduce_async(flat, key=key)
+            b.future = self.worker.allreduce_async(flat, weight=weight, key=key)
         except BaseException as e:
             self.error = e
             raise

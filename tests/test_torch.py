@@ -161,7 +161,7 @@ def test_reducer_without_ddp_matches_gloo(agg, tmp_path, world: int) -> None:
 
 def test_reducer_weights_each_rank_by_its_samples(agg, tmp_path) -> None:
     # Unequal batches: sum(n_i * g_i) / sum(n_i), dense and sparse buckets alike.
-    for res in run_procs("reducer_case", 3, tmp_path, agg.address, 3, True, True):
+    for res in run_procs("reducer_case", 3, tmp_path, agg.address, 3, "weighted"):
         torch.testing.assert_close(res["got"], res["expected"])
 
 
@@ -170,7 +170,7 @@ def test_reducer_sends_sparse_embedding_gradients_as_their_rows(agg, tmp_path) -
     from tests.torch_procs import VOCAB
 
     steps = 4
-    for res in run_procs("reducer_case", 3, tmp_path, agg.address, steps, True):
+    for res in run_procs("reducer_case", 3, tmp_path, agg.address, steps, "sparse"):
         torch.testing.assert_close(res["got"], res["expected"])
         # The gradients left for the optimizer have gloo's layouts: sparse for the tables.
         assert res["layouts"] == res["ref_layouts"]
@@ -178,6 +178,25 @@ def test_reducer_sends_sparse_embedding_gradients_as_their_rows(agg, tmp_path) -
         assert res["ops"] == res["buckets"] * steps
         # Only looked-up rows travel: far less than the 4000-row table once per step.
         assert res["bytes"]["bytes_sent"] < steps * VOCAB * 16 * 4 / 4
+
+
+@pytest.mark.parametrize("case", ["rows", "rows_synced", "rows_misused"])
+def test_reducer_sends_dense_embedding_gradients_as_their_rows(agg, tmp_path, case: str) -> None:
+
+    steps = 3
+    for res in run_procs("reducer_case", 3, tmp_path, agg.address, steps, case):
+        torch.testing.assert_close(res["got"], res["expected"])
+        assert res["layouts"] == res["ref_layouts"]
+        if case == "rows_misused":
+            # Gradients outside the looked-up rows: its first check drops the table on every rank.
+            assert res["tables"] == [] and res["dropped"] == ["emb"]
+            continue
+        assert res["tables"] == ["emb", "rare"] and res["dropped"] == []
+        # Only looked-up rows travel (64 per pass; with two synced passes, the second also sends
+        # the first's summed rows again: about 3 x 64 more), where the mask pass would send
+        # 256-element blocks of the 4000 x 16 table (about 57 KB for 64 random rows, 200 KB for 256).
+        rows_per_step = 3 * 64 if case == "rows" else 8 * 64
+        assert res["bytes"]["bytes_sent"] < steps * rows_per_step * 16 * 4
 
 
 def test_backend_collectives_and_ddp(agg, tmp_path) -> None:

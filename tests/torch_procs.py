@@ -53,13 +53,13 @@ class MisusedClickModel(ClickModel):
 
 
 class RareTableClickModel(ClickModel):
-    """Sparse COO gradients: its table with ``sparse=True``, and a second sparse table that
-    only some batches use (on a step, some ranks have no gradient for it)."""
+    """A second table that only some batches use (on a step, some ranks have no gradient for
+    it); both tables ``sparse=True`` (sparse COO gradients) or both dense."""
 
-    def __init__(self, unused: bool = False, vocab: int = VOCAB) -> None:
+    def __init__(self, unused: bool = False, vocab: int = VOCAB, sparse: bool = True) -> None:
         super().__init__(unused, vocab)
-        self.emb.sparse = True
-        self.rare = nn.Embedding(50, 3, sparse=True)
+        self.emb.sparse = sparse
+        self.rare = nn.Embedding(50, 3, sparse=sparse)
 
     def forward(self, idx: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         out = super().forward(idx, offsets)
@@ -68,10 +68,11 @@ class RareTableClickModel(ClickModel):
         return out
 
 
-def _model(unused: bool = False, vocab: int = VOCAB, misused: bool = False, sparse: bool = False) -> ClickModel:
+def _model(unused: bool = False, vocab: int = VOCAB, misused: bool = False, rare: bool = False,
+           sparse: bool = True) -> ClickModel:
     torch.manual_seed(0)
-    if sparse:
-        return RareTableClickModel(unused, vocab)
+    if rare:
+        return RareTableClickModel(unused, vocab, sparse)
     return (MisusedClickModel if misused else ClickModel)(unused, vocab)
 
 
@@ -160,7 +161,7 @@ def _gloo_sum(p: torch.Tensor, world: int, share: float | None = None) -> None:
     if p.grad is None:
         # Unused here; another rank may have used it.
         g = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64), torch.empty((0, *p.shape[1:])),
-                                    tuple(p.shape)) if sparse else torch.zeros_like(p)
+                                    tuple(p.shape), check_invariants=True) if sparse else torch.zeros_like(p)
     else:
         g = p.grad
     if share is not None:
@@ -175,35 +176,53 @@ def _gloo_sum(p: torch.Tensor, world: int, share: float | None = None) -> None:
 _SPARSE: set[int] = set()
 
 
-def reducer_case(rank: int, world: int, address: str, steps: int = 4, sparse: bool = False,
-                 weighted: bool = False) -> dict[str, Any]:
-    """GradientReducer (no DDP) against a hand-written gloo all_reduce of every gradient;
-    ``weighted``: rank r counts r + 1 samples (the samples-weighted mean)."""
+def reducer_case(rank: int, world: int, address: str, steps: int = 4, case: str = "dense") -> dict[str, Any]:
+    """GradientReducer (no DDP) against a hand-written gloo all_reduce of every gradient.
+
+    Cases: "dense"; "sparse" (sparse tables, one that some ranks do not use); "weighted"
+    (the same, rank r counting r + 1 samples); "rows" (dense tables, ``embedding_rows``,
+    checked at every use); "rows_synced" (two synced backward passes per step, the second
+    adding to the first's sum: only the tracker's rule for accumulated rows keeps it
+    right, the check is off); "rows_misused" (the table also read outside its lookups: its
+    check drops it on every rank).
+    """
     from worker import Worker
     from worker.reducer import GradientReducer
 
-    ref = _model(unused=True, sparse=sparse)
-    ours = _model(unused=True, sparse=sparse)
+    rows = case.startswith("rows")
+    sparse = case in ("sparse", "weighted")
+    misused = case == "rows_misused"
+    ref = _model(unused=True, rare=not misused and (rows or sparse), sparse=sparse, misused=misused)
+    ours = _model(unused=True, rare=not misused and (rows or sparse), sparse=sparse, misused=misused)
     if sparse:
         _SPARSE.update([id(ref.emb.weight), id(ref.rare.weight)])
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(ours.parameters(), lr=0.5)
     with Worker(address, rank=rank, world_size=world, job=f"reducer-{world}", timeout=30) as w:
-        reducer = GradientReducer(ours, w, bucket_cap_mb=0.01)
+        reducer = GradientReducer(ours, w, bucket_cap_mb=0.01, embedding_rows=rows,
+                                  verify_every=0 if case == "rows_synced" else 1)
         share = None
-        if weighted:
+        if case == "weighted":
             reducer.samples = rank + 1
             share = (rank + 1) / (world * (world + 1) / 2)
         for step in range(steps):
             opt_ref.zero_grad()
+            if case == "rows_synced":
+                _loss(ref, rank, 100 + step).backward()
+                for p in ref.parameters():
+                    _gloo_sum(p, world, share)
             _loss(ref, rank, step).backward()
             for p in ref.parameters():
                 _gloo_sum(p, world, share)
             opt_ref.step()
             opt.zero_grad()
-            with reducer.no_sync():
+            if case == "rows_synced":
                 _loss(ours, rank, 100 + step).backward()
-            opt.zero_grad()  # the accumulated micro-batch is dropped again: checks no_sync sent nothing
+                reducer.synchronize()
+            else:
+                with reducer.no_sync():
+                    _loss(ours, rank, 100 + step).backward()
+                opt.zero_grad()  # the accumulated micro-batch is dropped again: checks no_sync sent nothing
             _loss(ours, rank, step).backward()
             reducer.synchronize()
             opt.step()
@@ -215,7 +234,8 @@ def reducer_case(rank: int, world: int, address: str, steps: int = 4, sparse: bo
         "expected": [p.detach().clone() for p in ref.parameters()],
         "got": [p.detach().clone() for p in ours.parameters()],
         "buckets": buckets, "ops": ops, "steps": steps, "layouts": layouts, "ref_layouts": ref_layouts,
-        "bytes": w.stats.total.as_dict(),
+        "bytes": w.stats.total.as_dict(), "tables": reducer.rows.tables if reducer.rows else [],
+        "dropped": reducer.rows.dropped if reducer.rows else [],
     }
 
 

@@ -37,7 +37,7 @@ from omnireduce.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Part", "RowTracker", "track_embedding_rows"]
+__all__ = ["Part", "RowTracker", "track_embedding_rows", "tracker_of"]
 
 #: A bucket of tracked tables is checked against its ids at its first use and every this many after.
 DEFAULT_VERIFY_EVERY = 100
@@ -142,7 +142,7 @@ class RowTracker:
             width = p.shape[1]
             view = grad.view(-1, width)
             ids = _rows_to_send(view, looked_up[id(p)], written.get(id(p)))
-            if check and not self._verify(view, ids, p, bucket):
+            if check and not self._verify(view, ids, p, f"DDP bucket {bucket.index()}"):
                 dense.append(grad)
                 continue
             last = parts[-1] if parts else None
@@ -163,7 +163,36 @@ class RowTracker:
         self.buckets += 1
         return parts
 
-    def _verify(self, view: torch.Tensor, ids: np.ndarray, p: torch.Tensor, bucket: dist.GradBucket) -> bool:
+    def tracks(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is the weight of a table tracked (and not dropped)."""
+        return id(p) in self._ids
+
+    def table_rows(self, p: torch.Tensor, view: torch.Tensor | None, where: str) -> np.ndarray | None:
+        """The rows of one tracked table's gradient ``view`` to send now, ascending (its ids are
+        consumed), checked at the table's first use and every ``verify_every``-th after; None
+        if the table is not tracked, or no longer (its check failed: it goes dense from now on).
+
+        Args:
+            p: the table's weight.
+            view: its gradient, ``(rows, width)``; None if it has none (no rows, then).
+            where: what the gradient is sent as, for the log.
+        """
+        key = id(p)
+        with self._lock:
+            if key not in self._ids:
+                return None
+            seen, self._ids[key] = self._ids[key], []
+            written = self._written.pop(key, None)
+            uses = self._uses.get((key,), 0)
+            self._uses[(key,)] = uses + 1
+        if view is None:
+            return np.empty(0, dtype=np.int64)
+        ids = _rows_to_send(view, seen, written)
+        if self.verify_every > 0 and uses % self.verify_every == 0 and not self._verify(view, ids, p, where):
+            return None
+        return ids
+
+    def _verify(self, view: torch.Tensor, ids: np.ndarray, p: torch.Tensor, where: str) -> bool:
         """Whether every nonzero row of table ``p``'s gradient is among its ``ids``; if not, it is dropped."""
         nonzero = view.ne(0).any(1).nonzero().squeeze(1).numpy()
         outside = np.setdiff1d(nonzero, ids, assume_unique=True)
@@ -174,9 +203,9 @@ class RowTracker:
             del self._ids[id(p)]
             self.dropped.append(name)
         logger.warning(
-            "DDP bucket %d: %d nonzero gradient rows of embedding %s outside the ids looked up through it (its "
+            "%s: %d nonzero gradient rows of embedding %s outside the ids looked up through it (its "
             "weight used elsewhere too, e.g. tied?); it is sent with a mask pass from now on",
-            bucket.index(), len(outside), name,
+            where, len(outside), name,
         )
         return False
 
@@ -264,6 +293,18 @@ def track_embedding_rows(state: Any, model: nn.Module, verify_every: int = DEFAU
         raise ConfigError(f"embedding rows are tracked in the hook's sparse mode only, not {state.mode!r}")
     if state.rows is not None:
         state.rows.remove()  # tracked again: the old hooks go
+    state.rows = tracker_of(model, verify_every)
+    return state.rows.tables
+
+
+def tracker_of(model: nn.Module, verify_every: int = DEFAULT_VERIFY_EVERY) -> RowTracker:
+    """A :class:`RowTracker` of every ``nn.Embedding``/``nn.EmbeddingBag`` of ``model`` with
+    ``sparse=False`` and a trainable weight that no other module holds.
+
+    Args:
+        model: the model.
+        verify_every: see :class:`RowTracker`.
+    """
     tracker = RowTracker(verify_every)
     # A weight another module also holds (a tied output projection) gets gradients there too.
     holders: dict[int, int] = {}
@@ -278,5 +319,4 @@ def track_embedding_rows(state: Any, model: nn.Module, verify_every: int = DEFAU
                 logger.info("embedding %s shares its weight with another module: not tracked", name or "(root)")
                 continue
             tracker.track(name or "(root)", module)
-    state.rows = tracker
-    return tracker.tables
+    return tracker

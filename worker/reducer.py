@@ -13,12 +13,16 @@ reduction of late layers overlaps the backward pass of early ones. Call
 The weight of an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` gets a sparse
 COO gradient: it goes as an op of its own, its looked-up rows as the blocks (no dense
 copy of the table), and its gradient becomes the sparse sum of every rank's rows, as DDP
-and gloo give it.
+and gloo give it. With ``embedding_rows=True`` a ``sparse=False`` table goes as an op of
+its own too, as ``allreduce(grad, rows=ids, inplace=True)`` of the ids it looked up
+(:mod:`worker.embedding_rows`: the promise, and its check): its dense gradient is neither
+copied into a bucket nor scanned for nonzero blocks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -29,23 +33,32 @@ from torch import nn
 from omnireduce import config
 from omnireduce.errors import OmniReduceError
 from worker.api import Allreducer
+from worker.embedding_rows import DEFAULT_VERIFY_EVERY, Part, RowTracker, tracker_of
+from worker.knownrows import KnownRows, dense_sum_of, known_rows
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["GradientReducer"]
 
 
-class _Bucket:
-    __slots__ = ("params", "index", "sparse", "ready", "future", "buffer")
+class _Kind(enum.Enum):
+    DENSE = "dense"  # parameters flattened into one buffer
+    SPARSE = "sparse"  # one parameter with a sparse COO gradient (a sparse embedding's weight)
+    ROWS = "rows"  # one tracked dense embedding table, sent as its looked-up rows
 
-    def __init__(self, params: list[torch.nn.Parameter], index: int, sparse: bool = False) -> None:
+
+class _Bucket:
+    __slots__ = ("params", "index", "kind", "ready", "future", "buffer", "known")
+
+    def __init__(self, params: list[torch.nn.Parameter], index: int, kind: _Kind = _Kind.DENSE) -> None:
         self.params = params
         self.index = index
-        # One parameter whose gradient is a sparse COO tensor (a sparse embedding's weight).
-        self.sparse = sparse
+        self.kind = kind
         self.ready = 0
         self.future: Future | None = None
         self.buffer: torch.Tensor | None = None
+        # A rows bucket's op, once submitted (the rows it wrote are recorded).
+        self.known: KnownRows | None = None
 
 
 def _sparse_weights(model: nn.Module) -> set[int]:
@@ -65,15 +78,23 @@ class GradientReducer:
         average: divide by the world size (the mean gradient, as DDP computes).
             Overridden by :attr:`samples` when that is set.
         bucket_cap_mb: bucket size in MiB (DDP's default is 25).
+        embedding_rows: send each dense embedding table's gradient as the rows it looked
+            up (see the module's docstring); the tables tracked are in :attr:`rows`.
+        verify_every: with ``embedding_rows``, check each table against its ids at its
+            first use and every this many uses after (0: never).
 
     Raises:
-        ConfigError: ``bucket_cap_mb`` is not a finite positive number.
+        ConfigError: ``bucket_cap_mb`` is not a finite positive number, or ``verify_every``
+            not a non-negative integer.
     """
 
     def __init__(
-        self, model: torch.nn.Module, worker: Allreducer, average: bool = True, bucket_cap_mb: float = 25.0
+        self, model: torch.nn.Module, worker: Allreducer, average: bool = True, bucket_cap_mb: float = 25.0,
+        embedding_rows: bool = False, verify_every: int = DEFAULT_VERIFY_EVERY,
     ) -> None:
         config.check_number("bucket_cap_mb", bucket_cap_mb)
+        #: The dense embedding tables sent as their rows (``embedding_rows=True``), else None.
+        self.rows: RowTracker | None = tracker_of(model, verify_every) if embedding_rows else None
         self.worker = worker
         self.average = average
         #: This rank's sample count in the current step (set before ``backward()``), for
@@ -91,12 +112,14 @@ class GradientReducer:
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(params):
-            if id(p) in sparse:
-                # A bucket of its own, as DDP gives it: its rows, not a flat copy, are sent.
+            kind = _Kind.SPARSE if id(p) in sparse else (
+                _Kind.ROWS if self.rows is not None and self.rows.tracks(p) else None)
+            if kind is not None:
+                # A bucket of its own, as DDP gives a sparse one: its rows, not a flat copy, are sent.
                 if current:
                     self._buckets.append(_Bucket(current, len(self._buckets)))
                     current, size = [], 0
-                self._buckets.append(_Bucket([p], len(self._buckets), sparse=True))
+                self._buckets.append(_Bucket([p], len(self._buckets), kind))
                 continue
             nbytes = p.numel() * p.element_size()
             if current and (size + nbytes > cap or p.dtype != current[0].dtype):
@@ -127,10 +150,12 @@ class GradientReducer:
             self._enabled = True
 
     def remove(self) -> None:
-        """Removes the gradient hooks."""
+        """Removes the gradient hooks (and the embedding tables' forward hooks)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.rows is not None:
+            self.rows.remove()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._enabled or self.error is not None:
@@ -145,28 +170,58 @@ class GradientReducer:
 
     def _launch(self, b: _Bucket) -> None:
         weight = self.samples
-        divide = weight is None and self.average and self.worker.world_size > 1
-        if b.sparse:
+        world = self.worker.world_size
+        divide = weight is None and self.average and world > 1
+        key: tuple | None = ("bucket", b.index)
+        if b.kind is _Kind.ROWS:
+            flat, key = self._rows_op(b, divide, world), None
+        elif b.kind is _Kind.SPARSE:
             p = b.params[0]
             grad = p.grad if p.grad is not None else _no_rows(p)
             if grad.is_sparse:
                 # A new tensor (the rows of a coalesced copy), as DDP leaves the local gradient alone.
-                flat = grad / self.worker.world_size if divide else grad
+                flat = grad / world if divide else grad
             else:
                 # A dense gradient from a table made sparse only later: sent dense (every rank alike).
-                flat = grad.reshape(-1) / self.worker.world_size if divide else grad.reshape(-1).clone()
-            key: tuple = ("sparse", b.index)
+                flat = grad.reshape(-1) / world if divide else grad.reshape(-1).clone()
+            key = ("sparse", b.index)
         else:
             flat = torch.cat([_flat(p) for p in b.params])
             if divide:
-                flat.div_(self.worker.world_size)
-            key = ("bucket", b.index)
+                flat.div_(world)
         b.buffer = flat
         try:
-            b.future = self.worker.allreduce_async(flat, weight=weight, key=key)
+            b.future = self.worker.allreduce_async(b.known if b.known is not None else flat, weight=weight, key=key)
         except BaseException as e:
             self.error = e
             raise
+
+    def _rows_op(self, b: _Bucket, divide: bool, world: int) -> torch.Tensor:
+        """Sets up a tracked table's op (``b.known``, unless the table went dense); returns its gradient."""
+        assert self.rows is not None
+        p = b.params[0]
+        grad = p.grad
+        where = f"GradientReducer bucket {b.index}"
+        if grad is None:
+            # Unused here: no rows from this rank, and a dense sum to give the gradient if others sent some.
+            self.rows.table_rows(p, None, where)
+            b.known = dense_sum_of(_no_rows(p), world_size=world)
+            b.known.written = []
+            return p.detach()
+        ids = None
+        if not grad.is_sparse and grad.is_contiguous() and grad.device.type == "cpu":
+            ids = self.rows.table_rows(p, grad.view(grad.shape[0], -1), where)
+        if ids is None:
+            # Dropped by its check (or not a dense CPU gradient): the mask pass, in place.
+            if divide:
+                grad.div_(world)
+            return grad
+        if divide:
+            # Only these rows: the others are zero (what the tracking rests on).
+            idx = torch.from_numpy(ids)
+            grad.index_copy_(0, idx, grad.index_select(0, idx).div_(world))
+        b.known = known_rows(grad, ids, inplace=True, world_size=world, record=True)
+        return grad
 
     def synchronize(self) -> None:
         """Waits for every bucket's sum and writes it into the parameters' ``.grad``.
@@ -186,8 +241,11 @@ class GradientReducer:
             for b in self._buckets:
                 assert b.future is not None and b.buffer is not None
                 out = b.future.result()
-                if b.sparse:
+                if b.kind is _Kind.SPARSE:
                     _set_sparse(b.params[0], out)
+                    continue
+                if b.kind is _Kind.ROWS:
+                    self._set_rows(b, out)
                     continue
                 offset = 0
                 for p in b.params:
@@ -207,8 +265,24 @@ class GradientReducer:
             raise
         finally:
             for b in self._buckets:
-                b.ready, b.future, b.buffer = 0, None, None
+                b.ready, b.future, b.buffer, b.known = 0, None, None, None
             self._next = 0
+
+    def _set_rows(self, b: _Bucket, out: torch.Tensor) -> None:
+        """Gives a tracked table its summed gradient (summed in place, unless it had none)."""
+        p = b.params[0]
+        if b.known is not None and self.rows is not None:
+            union = b.known.union()
+            # The rows written: if the gradient is not zeroed before the next step, they go again.
+            self.rows.sums_written(Part(out, None, 0, out.numel(), tables=[(id(p), 0, p.shape[0])]), union)
+            if p.grad is None and len(union):
+                p.grad = out
+        elif p.grad is not None and out is not p.grad:
+            # Sent whole (the table went dense): a new sum.
+            if p.grad.is_sparse:
+                p.grad = out
+            else:
+                p.grad.copy_(out.view(p.grad.shape))
 
 
 def _flat(p: torch.Tensor) -> torch.Tensor:
@@ -225,7 +299,8 @@ def _flat(p: torch.Tensor) -> torch.Tensor:
 def _no_rows(p: torch.Tensor) -> torch.Tensor:
     """A sparse gradient of no rows: this rank did not use the table, the others may have."""
     return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64),
-                                   torch.empty((0, *p.shape[1:]), dtype=p.dtype), tuple(p.shape))
+                                   torch.empty((0, *p.shape[1:]), dtype=p.dtype), tuple(p.shape),
+                                   is_coalesced=True, check_invariants=True)
 
 
 def _set_sparse(p: torch.Tensor, out: torch.Tensor) -> None:

@@ -182,7 +182,6 @@ def test_reducer_sends_sparse_embedding_gradients_as_their_rows(agg, tmp_path) -
 
 @pytest.mark.parametrize("case", ["rows", "rows_synced", "rows_misused"])
 def test_reducer_sends_dense_embedding_gradients_as_their_rows(agg, tmp_path, case: str) -> None:
-
     steps = 3
     for res in run_procs("reducer_case", 3, tmp_path, agg.address, steps, case):
         torch.testing.assert_close(res["got"], res["expected"])

@@ -44,6 +44,18 @@ def test_ddp_hook_matches_gloo(agg, tmp_path, world: int, case: str) -> None:
         torch.testing.assert_close(res["got"], results[0]["got"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", ["view", "rows_view"])
+def test_ddp_hook_with_gradients_as_bucket_views_and_a_static_graph(agg, tmp_path, case: str) -> None:
+    # DDP's memory-saving options: the gradients are the bucket's memory, which the hook sums in place.
+    results = run_procs("ddp_case", 2, tmp_path, agg.address, case)
+    for res in results:
+        assert res["error"] is None and res["buckets"] > 0
+        if case == "rows_view":
+            assert res["tables"] == ["module.emb"] and res["rows_buckets"] >= 4 and not res["dropped"]
+        torch.testing.assert_close(res["got"], res["expected"])
+        torch.testing.assert_close(res["got"], results[0]["got"], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_hook_on_colocated_shards_matches_gloo(tmp_path, world: int) -> None:
     results = run_procs("ddp_case", world, tmp_path, "colocated", "buckets")

@@ -112,10 +112,13 @@ def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> 
 
     unused = case == "unused"
     # A recommender-sized table for the traffic case: a step touches 64 of its rows.
-    vocab = 100_000 if case in ("traffic", "rows") else VOCAB
+    vocab = 100_000 if case in ("traffic", "rows", "rows_view") else VOCAB
     misused = case == "rows_misused"
     small = case in ("buckets", "rows_buckets")
     kwargs: dict[str, Any] = dict(bucket_cap_mb=0.001 if small else 25, find_unused_parameters=unused)
+    if case.endswith("view"):
+        # The memory-saving options: gradients are views of DDP's buckets, and the graph is static.
+        kwargs.update(gradient_as_bucket_view=True, static_graph=True)
     ref = DDP(_model(unused, vocab, misused), **kwargs)
     ours = DDP(_model(unused, vocab, misused), **kwargs)
     if address == "colocated":

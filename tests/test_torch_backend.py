@@ -78,6 +78,18 @@ def test_failed_collectives_raise_on_every_rank(agg, tmp_path) -> None:
             assert step == 2 and what in message and "MismatchError" in message, (rank, name, message)
 
 
+def test_a_groups_timeout_bounds_its_ops_unless_omnireduce_timeout_is_set(agg, tmp_path) -> None:
+    # init_process_group/new_group(timeout=) as gloo honours it; OMNIREDUCE_TIMEOUT, the backend's
+    # own setting, wins over it; torch's 30-minute default leaves the worker's (60 s).
+    results = run_procs("group_timeout_case", 2, tmp_path, agg.address)
+    for res in results:
+        assert (res["torch_default"], res["given"], res["env_wins"]) == (60.0, 1.5, 2.5), res
+    res = results[0]
+    for name, seconds in (("given", 1.5), ("env_wins", 2.5)):
+        assert "OpTimeoutError" in res[name + "_error"], res
+        assert seconds - 0.1 <= res[name + "_waited"] < seconds + 3, res
+
+
 def test_a_failed_coalesced_sparse_op_raises_on_every_rank(agg, tmp_path) -> None:
     # Two sparse tables go as one rows op; rank 0's op of step 2 claims a row more: both
     # ranks' backward raises at step 2 (each held gradient's future fails), none hangs.

@@ -121,7 +121,8 @@ PENDING_BACKEND_FIXES: dict[str, str] = {}
 _NOT_OURS: dict[str, str] = {
     # Pass on gloo, but test gloo-only features (their decorators say so).
     "test_barrier_timeout_full_group": "gloo-only ('Only gloo backend supports timeouts'): new_group(timeout=1 s) "
-    "must time out a barrier in 1 s; omnireduce ignores timeout= (OMNIREDUCE_TIMEOUT), fails with PeerLostError",
+    "must time out a barrier in 1 s; omnireduce honours timeout= only where OMNIREDUCE_TIMEOUT is unset "
+    "(test_torch_backend), and this runner sets it",
     "test_barrier_timeout_group": "gloo-only ('Only gloo backend supports timeouts'), as "
     "test_barrier_timeout_full_group",
     "test_monitored_barrier_gloo": "monitored_barrier is gloo-only in torch ('only implemented for GLOO backend')",

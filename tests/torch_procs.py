@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 import traceback
 from typing import Any
 
@@ -566,6 +567,36 @@ def sparse_ddp_case(rank: int, world: int, address: str, how: str, steps: int = 
         ours.register_comm_hook(state, omnireduce_hook)
         out["got"], out["grads"] = train(ours)
         out["paths"] = dict(state.paths)
+    return out
+
+
+def group_timeout_case(rank: int, world: int, address: str) -> dict[str, Any]:
+    """The op timeout of omnireduce groups made with and without ``timeout=`` and OMNIREDUCE_TIMEOUT:
+    each group's worker's, and how long rank 0's all_reduce, which no other rank joins, waits."""
+    from datetime import timedelta
+
+    os.environ["OMNIREDUCE_ADDRESS"] = address
+    os.environ.pop("OMNIREDUCE_TIMEOUT", None)
+    out: dict[str, Any] = {}
+    groups = {
+        "torch_default": dist.new_group(backend="omnireduce"),
+        "given": dist.new_group(backend="omnireduce", timeout=timedelta(seconds=1.5)),
+    }
+    os.environ["OMNIREDUCE_TIMEOUT"] = "2.5"
+    groups["env_wins"] = dist.new_group(backend="omnireduce", timeout=timedelta(seconds=100))
+    del os.environ["OMNIREDUCE_TIMEOUT"]
+    for name, group in groups.items():
+        out[name] = group.worker.settings.timeout
+    for name in ("given", "env_wins"):
+        if rank == 0:
+            start = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(3), group=groups[name])
+                out[name + "_error"] = None
+            except Exception as e:  # noqa: BLE001 - the test checks the text
+                out[name + "_error"] = str(e)
+            out[name + "_waited"] = time.monotonic() - start
+        dist.barrier()
     return out
 
 

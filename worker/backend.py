@@ -174,7 +174,7 @@ class OmniReduceWork(dist._Work):
         """Waits for the collective; raises :class:`CollectiveError` if it failed.
 
         Args:
-            timeout: ignored: the worker's own timeout (``OMNIREDUCE_TIMEOUT``) bounds every op.
+            timeout: ignored: the group's op timeout (see :func:`_timeout_of`) bounds every op.
         """
         try:
             self._result.future.wait()
@@ -504,6 +504,24 @@ def _job_of(store: dist.Store, rank: int, group_id: str | None) -> str:
     return store.get(_JOB_KEY).decode()
 
 
+def _timeout_of(opts: Any) -> float | None:
+    """The seconds an op of the group may wait: the group's ``timeout=`` where it was given
+    (torch passes its 30-minute default otherwise), unless ``OMNIREDUCE_TIMEOUT`` is set;
+    None leaves it to the worker (``$OMNIREDUCE_TIMEOUT``, else 60 s).
+
+    The variable wins because it is this backend's own setting, while ``timeout=`` is
+    shared with the script's other backends (a gloo group made beside it takes it too).
+    """
+    timeout = getattr(opts, "timeout", None)
+    if not isinstance(timeout, timedelta):
+        return None
+    if config.resolve_optional(None, config.OMNIREDUCE_TIMEOUT, float) is not None:
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    return None if timeout == default_pg_timeout else timeout.total_seconds()
+
+
 def create_process_group(opts: Any, pg_options: Any = None) -> OmniReduceProcessGroup:
     """The backend's constructor, called by ``dist.init_process_group("omnireduce")`` and ``dist.new_group``.
 
@@ -515,7 +533,7 @@ def create_process_group(opts: Any, pg_options: Any = None) -> OmniReduceProcess
     rank, world = opts.group_rank, opts.group_size
     job = _job_of(opts.store, rank, getattr(opts, "group_id", None))
     try:
-        worker = connect(rank=rank, world_size=world, job=job)
+        worker = connect(rank=rank, world_size=world, job=job, timeout=_timeout_of(opts))
     except ConfigError as e:
         raise ConfigError(f"cannot create the omnireduce process group: {e}") from e
     return OmniReduceProcessGroup(rank, world, worker)

@@ -98,7 +98,8 @@ _ENV_KEYS = ("TEMP_DIR", "INIT_METHOD", "MASTER_ADDR", "WORLD_SIZE", "CONFORMANC
 _TRACED = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base", "allgather_coalesced",
            "allgather_into_tensor_coalesced", "barrier", "reduce", "reduce_scatter", "_reduce_scatter_base",
            "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "gather", "scatter", "send", "recv",
-           "recv_anysource", "monitored_barrier")
+           "recv_anysource", "monitored_barrier", "all_gather_single", "all_gather_single_coalesced",
+           "reduce_scatter_single", "reduce_scatter_single_coalesced", "all_to_all_single")
 
 
 def all_test_names() -> list[str]:

@@ -265,7 +265,7 @@ def backend_case(rank: int, world: int, address: str, steps: int = 4) -> dict[st
     out["all_gather"] = gathered
     dist.barrier(group=group)
     try:
-        dist.reduce_scatter(torch.zeros(1), [torch.zeros(1)] * world, group=group)
+        dist.all_to_all([torch.zeros(1)] * world, [torch.zeros(1)] * world, group=group)
         out["unsupported"] = None
     except Exception as e:  # noqa: BLE001 - the test checks the message
         out["unsupported"] = str(e)
@@ -717,6 +717,41 @@ def collectives_case(rank: int, world: int, address: str) -> dict[str, Any]:
          lambda t, grp: dist.all_reduce(t, dist.ReduceOp.BOR, group=grp))
     both("sum_0dim", lambda: torch.tensor(rank + 0.5), lambda t, grp: dist.all_reduce(t, group=grp))
     both("sum_empty", lambda: torch.empty(0, 4), lambda t, grp: dist.all_reduce(t, group=grp))
+    # reduce_scatter: each rank keeps its piece of the reduction; the inputs stay as they were.
+    pieces = [torch.randn(4, 2, generator=g) for _ in range(world)]
+    both("reduce_scatter_float", lambda: torch.zeros(4, 2),
+         lambda t, grp: dist.reduce_scatter(t, [p.clone() for p in pieces], group=grp))
+    laid = (torch.randn(world * 6, generator=g) * 2**40).to(torch.int64)
+    both("reduce_scatter_tensor_int64", lambda: torch.zeros(6, dtype=torch.int64),
+         lambda t, grp: dist.reduce_scatter_tensor(t, laid, group=grp))
+    both("reduce_scatter_tensor_MAX_float", lambda: torch.zeros(2, 3),
+         lambda t, grp: dist.reduce_scatter_tensor(t, laid.float().reshape(world * 2, 3), dist.ReduceOp.MAX,
+                                                   group=grp))
+    out["reduce_scatter_input_unchanged"] = (laid, laid.clone())
+    # The tensor forms of torch 2.13 (all_gather_single, reduce_scatter_single), one by one and
+    # coalesced (torch's coalescing manager sends the ops of its block as one call).
+    mine = torch.randn(2, 3, generator=g)
+    both("into_tensor_all_gather", lambda: torch.zeros(world * 2, 3),
+         lambda t, grp: dist.all_gather_into_tensor(t, mine, group=grp))
+
+    def coalesced(t: torch.Tensor, grp: Any) -> None:
+        with dist._coalescing_manager(group=grp):
+            dist.all_gather_into_tensor(t[0], mine, group=grp)
+            dist.all_gather_into_tensor(t[1], mine * 2, group=grp)
+        with dist._coalescing_manager(group=grp):
+            dist.reduce_scatter_tensor(t[2, :2], laid.float().reshape(world * 2, 3), group=grp)
+            dist.reduce_scatter_tensor(t[3, :2], -laid.float().reshape(world * 2, 3), group=grp)
+    both("coalesced_tensor_forms_float", lambda: torch.zeros(4, world * 2, 3), coalesced)
+    try:
+        dist.all_to_all_single(torch.zeros(world), torch.ones(world), group=ours)
+        out["all_to_all_error"] = None
+    except Exception as e:  # noqa: BLE001 - the test checks the text
+        out["all_to_all_error"] = str(e)
+    gloo_sum = torch.zeros(4, 2)
+    dist.reduce_scatter(gloo_sum, [p.clone() for p in pieces])
+    avg = torch.zeros(4, 2)
+    dist.reduce_scatter(avg, [p.clone() for p in pieces], dist.ReduceOp.AVG, group=ours)
+    out["reduce_scatter_AVG_float"] = (gloo_sum / world, avg)
     both("sum_noncontiguous", lambda: torch.arange(12.0).reshape(3, 4).t() * (rank + 1),
          lambda t, grp: dist.all_reduce(t, group=grp))
     sparse = torch.sparse_coo_tensor(torch.randint(0, 50, (1, 20), generator=g), torch.randn(20, 3, generator=g),

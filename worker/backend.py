@@ -11,10 +11,12 @@ point (:mod:`worker.autoload`), so an unchanged script (or torchrun's
 ``all_reduce`` SUM and AVG of float and integer tensors, dense or sparse COO,
 go through the sparse protocol (a sparse tensor's rows are its blocks, see
 :mod:`worker.rows`). MIN, MAX, PRODUCT and the bitwise ops gather every rank's
-tensor and reduce locally; ``reduce`` is an all_reduce that only the root keeps.
+tensor and reduce locally; ``reduce`` is an all_reduce that only the root keeps, and
+``reduce_scatter`` one of the inputs laid end to end, of which each rank keeps its piece.
 ``broadcast``, ``all_gather``, ``gather``, ``scatter`` and ``barrier`` are built
 on the same sum: a tensor's bytes travel as uint8, zero on every rank but the
-owner, so the sum reproduces them bit for bit, for any dtype. Other collectives raise an error naming themselves.
+owner, so the sum reproduces them bit for bit, for any dtype. Other collectives
+(``all_to_all``, ``send``, ``recv``) raise an error naming themselves.
 
 Every failure of a collective (a mismatch between ranks, a timeout, a lost
 peer, a refusal) fails its ``Work``: ``wait()``, the future's ``wait()`` and
@@ -87,6 +89,14 @@ def _from_bytes(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if like.numel() == 0:
         return torch.empty_like(like)
     return values.view(like.dtype).view(like.shape)
+
+
+def _dense(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``, refused if it is not a dense CPU tensor (a collective that lays tensors end to end)."""
+    if t.is_sparse or t.device.type != "cpu":
+        raise CollectiveError(f"{what}: the omnireduce backend takes dense CPU tensors here, not a {t.layout} "
+                              f"tensor on {t.device}")
+    return t
 
 
 def _describe(tensors: list[torch.Tensor]) -> str:
@@ -285,18 +295,24 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         for t in tensors:
             if t.device.type != "cpu":
                 raise CollectiveError(f"the omnireduce backend supports CPU tensors, not {t.device} ({what})")
+        return self._work([self._reduced(t, op, what, "all_reduce") for t in tensors], tensors, what)
+
+    def _reduced(self, t: torch.Tensor, op: Any, what: str,
+                 name: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
+        """The part of a collective that reduces ``t`` over the ranks with ``op``, in place.
+
+        Raises:
+            CollectiveError: ``op`` or ``t``'s dtype is not supported (``name``: the collective).
+        """
         if op in _GATHERED:
-            return self._work([self._gathered_reduce(t, op, what) for t in tensors], tensors, what)
+            return self._gathered_reduce(t, op, what)
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise CollectiveError(f"the omnireduce backend's all_reduce does not support {op}")
-        parts = []
-        for t in tensors:
-            if t.dtype not in _FLOAT and t.dtype not in _INT:
-                raise CollectiveError(f"the omnireduce backend's all_reduce does not support {t.dtype} ({what})")
-            if op == dist.ReduceOp.AVG and t.dtype not in _FLOAT:
-                raise CollectiveError(f"the omnireduce backend's all_reduce AVG needs a float tensor, not {t.dtype}")
-            parts.append(self._sum(t, op == dist.ReduceOp.AVG, what))
-        return self._work(parts, tensors, what)
+            raise CollectiveError(f"the omnireduce backend's {name} does not support {op}")
+        if t.dtype not in _FLOAT and t.dtype not in _INT:
+            raise CollectiveError(f"the omnireduce backend's {name} does not support {t.dtype} ({what})")
+        if op == dist.ReduceOp.AVG and t.dtype not in _FLOAT:
+            raise CollectiveError(f"the omnireduce backend's {name} AVG needs a float tensor, not {t.dtype}")
+        return self._sum(t, op == dist.ReduceOp.AVG, what)
 
     def _sum(self, t: torch.Tensor, average: bool, what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
         # A weighted AVG is divided by the total weight in the aggregator.
@@ -393,6 +409,11 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         outs = list(output.view(self._world, *input.shape).unbind(0))
         return self.allgather([outs], [input], opts)
 
+    # torch 2.13's names (dist.all_gather_into_tensor, reduce_scatter_tensor and their
+    # coalesced forms); the inherited ones look for a backend by device and find none.
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
     def barrier(self, opts: Any = None) -> Any:
         one = torch.ones(1, dtype=torch.float32)
 
@@ -461,20 +482,71 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def _unsupported(self, name: str) -> Any:
         raise CollectiveError(
             f"the omnireduce backend does not support {name}; it supports all_reduce (SUM and AVG of float, "
-            "integer and sparse tensors; MIN, MAX, PRODUCT, BAND, BOR, BXOR of dense ones), reduce, broadcast, "
-            "all_gather, gather, scatter and barrier"
+            "integer and sparse tensors; MIN, MAX, PRODUCT, BAND, BOR, BXOR of dense ones), reduce, "
+            "reduce_scatter, broadcast, all_gather, gather, scatter and barrier"
         )
 
-    def reduce_scatter(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("reduce_scatter")
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> Any:
+        # An all_reduce of the inputs laid end to end, of which each rank keeps its own piece:
+        # every rank receives the whole sum (the aggregator has no per-rank result).
+        op = _op_type(opts)
+        what = f"reduce_scatter ({getattr(op, 'name', op)}) of {_describe(output_tensors)}"
+        parts = []
+        for out, ins in zip(output_tensors, input_tensors, strict=True):
+            if len(ins) != self._world:
+                raise CollectiveError(f"reduce_scatter needs {self._world} input tensors, got {len(ins)}")
+            if any(i.dtype != out.dtype or i.numel() != out.numel() for i in ins):
+                raise CollectiveError(f"{what}: every input must have the output's dtype and size, got "
+                                      f"{_describe(ins)}")
+            parts.append(self._scattered(out, torch.cat([_dense(i, what).reshape(-1) for i in ins]), op, what))
+        return self._work(parts, output_tensors, what)
 
-    def _reduce_scatter_base(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("reduce_scatter_tensor")
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
+        op = _op_type(opts)
+        what = f"reduce_scatter_tensor ({getattr(op, 'name', op)}) of {_describe([input])}"
+        if input.numel() != output.numel() * self._world:
+            raise CollectiveError(f"{what}: the input needs {self._world} x the output's {output.numel()} elements")
+        # A copy: the sum is made in place, and the input stays as it was.
+        flat = _dense(input, what).reshape(-1).clone()
+        return self._work([self._scattered(output, flat, op, what)], [output], what)
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        op = _op_type(opts)
+        what = f"reduce_scatter_tensor ({getattr(op, 'name', op)}) of {_describe(inputs)}"
+        parts = []
+        for out, t in zip(outputs, inputs, strict=True):
+            if t.numel() != out.numel() * self._world:
+                raise CollectiveError(f"{what}: the input needs {self._world} x the output's {out.numel()} elements")
+            parts.append(self._scattered(out, _dense(t, what).reshape(-1).clone(), op, what))
+        return self._work(parts, outputs, what)
+
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _scattered(self, out: torch.Tensor, flat: torch.Tensor, op: Any,
+                   what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
+        """The part that reduces ``flat`` (every rank's pieces, end to end) and writes this rank's piece to ``out``."""
+        n = out.numel()
+        if flat.dtype != out.dtype or flat.numel() != n * self._world:
+            raise CollectiveError(f"{what}: the inputs ({flat.numel()} {flat.dtype}) do not match {self._world} "
+                                  f"outputs of {_describe([out])}")
+        src, reduce = self._reduced(flat, op, what, "reduce_scatter")
+
+        def finish(res: Any) -> None:
+            reduce(res)
+            out.copy_(flat[self._rank * n : (self._rank + 1) * n].view(out.shape))
+
+        return src, finish
 
     def alltoall(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("all_to_all")
 
     def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
+        return self._unsupported("all_to_all_single")
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("all_to_all_single")
 
     def send(self, *args: Any, **kwargs: Any) -> Any:

@@ -265,7 +265,7 @@ def backend_case(rank: int, world: int, address: str, steps: int = 4) -> dict[st
     out["all_gather"] = gathered
     dist.barrier(group=group)
     try:
-        dist.all_to_all([torch.zeros(1)] * world, [torch.zeros(1)] * world, group=group)
+        dist.send(torch.zeros(1), dst=(rank + 1) % world, group=group)
         out["unsupported"] = None
     except Exception as e:  # noqa: BLE001 - the test checks the message
         out["unsupported"] = str(e)
@@ -742,11 +742,38 @@ def collectives_case(rank: int, world: int, address: str) -> dict[str, Any]:
             dist.reduce_scatter_tensor(t[2, :2], laid.float().reshape(world * 2, 3), group=grp)
             dist.reduce_scatter_tensor(t[3, :2], -laid.float().reshape(world * 2, 3), group=grp)
     both("coalesced_tensor_forms_float", lambda: torch.zeros(4, world * 2, 3), coalesced)
-    try:
-        dist.all_to_all_single(torch.zeros(world), torch.ones(world), group=ours)
-        out["all_to_all_error"] = None
-    except Exception as e:  # noqa: BLE001 - the test checks the text
-        out["all_to_all_error"] = str(e)
+    # all_to_all: equal splits, unequal ones (rank r sends r + 1 + j rows to rank j), complex
+    # (torch sends it as its real view), and the list form.
+    rows = torch.randn(world * 2, 3, generator=g)
+    both("all_to_all_single_float", lambda: torch.zeros(world * 2, 3),
+         lambda t, grp: dist.all_to_all_single(t, rows, group=grp))
+    sent = [rank + 1 + j for j in range(world)]
+    wanted = [j + 1 + rank for j in range(world)]
+    ragged = (torch.randn(sum(sent), 2, generator=g) * 2**40).to(torch.int64)
+    both("all_to_all_single_unequal_int64", lambda: torch.zeros(sum(wanted), 2, dtype=torch.int64),
+         lambda t, grp: dist.all_to_all_single(t, ragged, wanted, sent, group=grp))
+    both("all_to_all_single_complex", lambda: torch.zeros(world * 2, dtype=torch.complex64),
+         lambda t, grp: dist.all_to_all_single(t, torch.view_as_complex(rows[:, :2].contiguous()), group=grp))
+    pieces_to = [torch.randn(2, 2, generator=g) for _ in range(world)]
+    both("all_to_all_float", lambda: torch.zeros(world, 2, 2),
+         lambda t, grp: dist.all_to_all(list(t.unbind(0)), [p.clone() for p in pieces_to], group=grp))
+    # Tensors of different sizes per rank (gloo refuses them): rank r gets (j, r) from rank j.
+    ins = [torch.full((j + 1, rank + 1), rank * 10 + j) for j in range(world)]
+    outs = [torch.zeros(rank + 1, j + 1, dtype=torch.int64) for j in range(world)]
+    dist.all_to_all(outs, ins, group=ours)
+    out["all_to_all_ragged"] = ([torch.full((rank + 1, j + 1), j * 10 + rank) for j in range(world)], outs)
+    # Refused: output splits that do not add up to the output's rows. Failed on the rank whose
+    # splits disagree with what the others send (rank 0 expects 2 rows from the last rank, which
+    # sends 1), after both ops, so the ranks stay in step for the next all_to_all.
+    for name, rows_out, splits in (("refused", world, [1] * (world - 1) + [2]),
+                                   ("disagree", world + (rank == 0), [1] * (world - 1) + [1 + (rank == 0)])):
+        try:
+            dist.all_to_all_single(torch.zeros(rows_out), torch.zeros(world), splits, group=ours)
+            out[f"all_to_all_{name}"] = None
+        except Exception as e:  # noqa: BLE001 - the test checks the text
+            out[f"all_to_all_{name}"] = str(e)
+    both("all_to_all_single_after_errors", lambda: torch.zeros(world * 2, 3),
+         lambda t, grp: dist.all_to_all_single(t, rows * 2, group=grp))
     gloo_sum = torch.zeros(4, 2)
     dist.reduce_scatter(gloo_sum, [p.clone() for p in pieces])
     avg = torch.zeros(4, 2)

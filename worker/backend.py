@@ -15,8 +15,8 @@ tensor and reduce locally; ``reduce`` is an all_reduce that only the root keeps,
 ``reduce_scatter`` one of the inputs laid end to end, of which each rank keeps its piece.
 ``broadcast``, ``all_gather``, ``gather``, ``scatter`` and ``barrier`` are built
 on the same sum: a tensor's bytes travel as uint8, zero on every rank but the
-owner, so the sum reproduces them bit for bit, for any dtype. Other collectives
-(``all_to_all``, ``send``, ``recv``) raise an error naming themselves.
+owner, so the sum reproduces them bit for bit, for any dtype; ``all_to_all`` gathers
+every rank's chunks that way. ``send`` and ``recv`` raise an error naming themselves.
 
 Every failure of a collective (a mismatch between ranks, a timeout, a lost
 peer, a refusal) fails its ``Work``: ``wait()``, the future's ``wait()`` and
@@ -26,7 +26,9 @@ peer, a refusal) fails its ``Work``: ``wait()``, the future's ``wait()`` and
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import threading
 import uuid
 from collections.abc import Callable
@@ -89,6 +91,18 @@ def _from_bytes(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if like.numel() == 0:
         return torch.empty_like(like)
     return values.view(like.dtype).view(like.shape)
+
+
+def _splits(sizes: list[int], rows: int, world: int, what: str, side: str) -> list[int]:
+    """An all_to_all_single's rows per rank on one side: as given, or ``rows`` split evenly."""
+    if not sizes:
+        if rows % world:
+            raise CollectiveError(f"{what}: the {side}'s {rows} rows do not split evenly over {world} ranks")
+        return [rows // world] * world
+    sizes = [int(n) for n in sizes]
+    if len(sizes) != world or min(sizes) < 0 or sum(sizes) != rows:
+        raise CollectiveError(f"{what}: {side} split sizes {sizes} must be {world} counts summing to {rows} rows")
+    return sizes
 
 
 def _dense(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -171,7 +185,11 @@ class OmniReduceWork(dist._Work):
                 for (_, finish), result in zip(self._parts, self._results, strict=True):
                     finish(result)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the Work
-                logger.exception("omnireduce %s: writing the result failed", self._what)
+                if isinstance(e, CollectiveError):
+                    # A check of the result (e.g. ranks that disagree), raised before anything is written.
+                    logger.warning("omnireduce %s failed: %s", self._what, e)
+                else:
+                    logger.exception("omnireduce %s: writing the result failed", self._what)
                 self._error = CollectiveError(f"omnireduce {self._what} failed: {type(e).__name__}: {e}")
                 self._error.__cause__ = e
         self._parts, self._results = [], []
@@ -483,7 +501,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         raise CollectiveError(
             f"the omnireduce backend does not support {name}; it supports all_reduce (SUM and AVG of float, "
             "integer and sparse tensors; MIN, MAX, PRODUCT, BAND, BOR, BXOR of dense ones), reduce, "
-            "reduce_scatter, broadcast, all_gather, gather, scatter and barrier"
+            "reduce_scatter, broadcast, all_gather, all_to_all, gather, scatter and barrier"
         )
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
@@ -540,14 +558,80 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
         return src, finish
 
-    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("all_to_all")
+    # all_to_all: every rank's bytes for every other rank gathered (world x an all_to_all's bytes:
+    # correct and bit-exact, not fast; the aggregator has no per-rank result to route).
 
-    def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("all_to_all_single")
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any = None) -> Any:
+        what = f"all_to_all of {_describe(input_tensors)}"
+        if len(output_tensors) != self._world or len(input_tensors) != self._world:
+            raise CollectiveError(f"all_to_all needs {self._world} input and output tensors, got "
+                                  f"{len(input_tensors)} and {len(output_tensors)}")
+        for t in (*output_tensors, *input_tensors):
+            _dense(t, what)
+        chunks = [_bytes_of(t) for t in input_tensors]
 
-    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("all_to_all_single")
+        def finish(received: list[torch.Tensor]) -> None:
+            for o, got in zip(output_tensors, received, strict=True):
+                o.copy_(_from_bytes(got, o))
+
+        sizes = [o.numel() * o.element_size() for o in output_tensors]
+        return self._work([self._exchange(chunks, sizes, finish, what)], output_tensors, what)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any = None) -> Any:
+        what = f"all_to_all_single of {_describe([input])}"
+        _dense(input, what)
+        _dense(output, what)
+        if output.dtype != input.dtype or output.shape[1:] != input.shape[1:]:
+            raise CollectiveError(f"{what}: the output {_describe([output])} does not match the input's rows")
+        row = math.prod(input.shape[1:]) * input.element_size()
+        sent = _splits(input_split_sizes, input.shape[0], self._world, what, "input")
+        wanted = _splits(output_split_sizes, output.shape[0], self._world, what, "output")
+        data = _bytes_of(input)
+        edges = [0, *itertools.accumulate(n * row for n in sent)]
+        chunks = [data[edges[r] : edges[r + 1]] for r in range(self._world)]
+
+        def finish(received: list[torch.Tensor]) -> None:
+            output.copy_(_from_bytes(torch.cat(received), output))
+
+        return self._work([self._exchange(chunks, [n * row for n in wanted], finish, what)], [output], what)
+
+    all_to_all_single = alltoall_base
+
+    def _exchange(self, chunks: list[torch.Tensor], wanted: list[int], finish: Callable[[list[torch.Tensor]], None],
+                  what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
+        """The part of an all_to_all that sends ``chunks[r]`` (bytes) to rank ``r`` and gives
+        ``finish`` the bytes received from each rank, which must be ``wanted[r]`` long.
+
+        Two ops: the bytes every rank sends every other (a small gather, waited for here,
+        since the second op's length depends on it), then every rank's chunks, padded to
+        the longest. A rank whose ``wanted`` disagrees with what the others send still
+        takes part in both, so the ranks stay in step, and its own collective fails.
+        """
+        world = self._world
+        mine = torch.tensor([c.numel() for c in chunks], dtype=torch.int64)
+        src, n = self._gather_values(mine)
+        try:
+            table = src.result().view(torch.int64).view(world, world)
+        except BaseException as e:  # noqa: BLE001 - the collective's Work raises it
+            return _failed(e), lambda _out: None
+        longest = int(table.sum(1).max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        if longest and chunks:
+            data = torch.cat(chunks)
+            padded[: data.numel()] = data
+        src, n = self._gather_values(padded)
+        starts = torch.cumsum(table, 1) - table  # where rank j's chunk for rank r starts in j's bytes
+        me = self._rank
+        got = [int(table[j, me]) for j in range(world)]
+
+        def received(out: torch.Tensor) -> None:
+            if got != wanted:
+                raise CollectiveError(f"{what}: rank {me} expects {wanted} bytes from the ranks, they send {got}")
+            finish([out[j * n + int(starts[j, me]) : j * n + int(starts[j, me]) + got[j]] for j in range(world)])
+
+        return src, received
 
     def send(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("send")

@@ -202,7 +202,14 @@ def reducer_case(rank: int, world: int, address: str, steps: int = 4, case: str 
         _SPARSE.update([id(ref.emb.weight), id(ref.rare.weight)])
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(ours.parameters(), lr=0.5)
-    with Worker(address, rank=rank, world_size=world, job=f"reducer-{world}", timeout=30) as w:
+    if address == "colocated":
+        from worker.colocated import ColocatedWorker, torch_exchange
+
+        worker: Any = ColocatedWorker(torch_exchange(), rank, world, job=f"reducer-{case}-{world}", timeout=30,
+                                      shard_bytes=0)
+    else:
+        worker = Worker(address, rank=rank, world_size=world, job=f"reducer-{world}", timeout=30)
+    with worker as w:
         reducer = GradientReducer(ours, w, bucket_cap_mb=0.01, embedding_rows=rows,
                                   verify_every=0 if case == "rows_synced" else 1)
         share = None

@@ -343,6 +343,31 @@ def test_backtoback_rejects_bad_arguments() -> None:
             parse_args(bad)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_reducer_benchmark_tiny() -> None:
+    pytest.importorskip("torch")
+    cmd = [sys.executable, "-m", "bench.reducer", "--workers", "2", "--rows", "300", "--width", "8",
+           "--lookups", "20", "--zipf", "1.1", "--steps", "3", "--rounds", "2", "--timeout", "150"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    # Before timing, every system's gradients were checked against gloo's (a mismatch exits non-zero).
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    blocks = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [b["system"] for b in blocks] == ["gloo", "reducer", "reducer-rows"] * 2
+    for b in blocks:
+        assert b["ms_per_step"] > 0 and len(b["cpu_ms_per_rank"]) == 2
+    assert "| reducer-rows |" in res.stdout
+
+
+def test_reducer_benchmark_rejects_bad_arguments() -> None:
+    from bench.reducer import parse_args
+
+    assert parse_args(["--workers", "3"]).workers == 3
+    for bad in (["--workers", "0"], ["--steps", "0"], ["--zipf", "-1"], ["--systems", "gloo-sparse"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
 def test_a_failed_worker_close_still_closes_the_rest(caplog: pytest.LogCaptureFixture) -> None:
     from bench import procs
 

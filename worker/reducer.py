@@ -186,12 +186,17 @@ class GradientReducer:
                 flat = grad.reshape(-1) / world if divide else grad.reshape(-1).clone()
             key = ("sparse", b.index)
         else:
-            flat = torch.cat([_flat(p) for p in b.params])
+            own = _own_gradient(b)
+            # A bucket of one parameter (a table larger than the cap) is summed where its gradient
+            # is: no copy into a bucket and back.
+            flat = own if own is not None else torch.cat([_flat(p) for p in b.params])
             if divide:
                 flat.div_(world)
         b.buffer = flat
+        options: dict = {"inplace": True} if b.kind is _Kind.DENSE and flat is own else {}
         try:
-            b.future = self.worker.allreduce_async(b.known if b.known is not None else flat, weight=weight, key=key)
+            b.future = self.worker.allreduce_async(b.known if b.known is not None else flat, weight=weight, key=key,
+                                                   **options)
         except BaseException as e:
             self.error = e
             raise
@@ -257,7 +262,7 @@ class GradientReducer:
                             p.grad = value.clone()
                     elif p.grad.is_sparse:
                         p.grad = value.clone()  # it went dense (see _flat)
-                    else:
+                    elif value.data_ptr() != p.grad.data_ptr():
                         p.grad.copy_(value)
                     offset += n
         except OmniReduceError as e:
@@ -283,6 +288,16 @@ class GradientReducer:
                 p.grad = out
             else:
                 p.grad.copy_(out.view(p.grad.shape))
+
+
+def _own_gradient(b: _Bucket) -> torch.Tensor | None:
+    """The flat view of a one-parameter bucket's gradient, if it can be summed in place."""
+    if len(b.params) != 1:
+        return None
+    g = b.params[0].grad
+    if g is None or g.is_sparse or g.device.type != "cpu" or not g.is_contiguous():
+        return None
+    return g.view(-1)
 
 
 def _flat(p: torch.Tensor) -> torch.Tensor:

@@ -88,8 +88,10 @@ def test_tracks_dense_tables_that_no_other_module_holds() -> None:
     frozen = _Model()
     frozen.c.weight.requires_grad_(False)
     assert track_embedding_rows(OmniReduceState(_Worker()), frozen) == ["a", "b"]
-    with pytest.raises(ConfigError, match="sparse mode only"):
-        track_embedding_rows(OmniReduceState(_Worker(), mode="auto", dense_group=object()), _Model())
+    with pytest.raises(ConfigError, match="not its dense mode"):
+        track_embedding_rows(OmniReduceState(_Worker(), mode="dense", dense_group=object()), _Model())
+    assert track_embedding_rows(OmniReduceState(_Worker(), mode="auto", dense_group=object()), _Model()) == [
+        "a", "b", "c"]
     with pytest.raises(ConfigError, match="verify_every"):
         RowTracker(verify_every=-1)
 

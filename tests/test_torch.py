@@ -111,7 +111,7 @@ def test_weighted_gradients_equal_the_global_batch_gradient(agg, tmp_path, world
         assert gap > 1e-3
 
 
-@pytest.mark.parametrize("case", ["rows", "rows_buckets", "rows_synced"])
+@pytest.mark.parametrize("case", ["rows", "rows_buckets", "rows_synced", "rows_auto"])
 def test_hook_sends_tracked_embedding_rows_and_matches_gloo(agg, tmp_path, case: str) -> None:
     # "rows": one bucket (the table and the MLP), a 100,000-row table of which a step looks up
     # at most 64 rows; "rows_buckets": 1 kB buckets (the MLP's parameters apart from the
@@ -125,6 +125,9 @@ def test_hook_sends_tracked_embedding_rows_and_matches_gloo(agg, tmp_path, case:
         assert res["rows_buckets"] >= 4, res
         torch.testing.assert_close(res["got"], res["expected"])
         torch.testing.assert_close(res["got"], results[0]["got"], rtol=0, atol=0)
+    if case == "rows_auto":
+        # The one bucket (table and MLP) holds a tracked table: sent as rows, never put to a vote.
+        assert all(res["votes"] == 0 for res in results), results[0]["votes"]
     if case == "rows":
         stats = results[0]["stats"]
         # Only the looked-up rows were read: the mask pass over 1.6M elements never ran, and
@@ -141,8 +144,11 @@ def test_a_table_read_outside_its_lookups_is_dropped_and_still_matches_gloo(agg,
         torch.testing.assert_close(res["got"], res["expected"])
 
 
-def test_ranks_that_disagree_on_a_tracked_table_fail_on_every_rank(agg, tmp_path) -> None:
-    results = run_procs("rows_disagree_case", 2, tmp_path, agg.address)
+@pytest.mark.parametrize("mode", ["sparse", "auto"])
+def test_ranks_that_disagree_on_a_tracked_table_fail_on_every_rank(agg, tmp_path, mode: str) -> None:
+    # In auto mode too: rank 0, its table dropped, takes the sparse protocol as the others do
+    # (no vote, no dense collective that the others would never enter).
+    results = run_procs("rows_disagree_case", 2, tmp_path, agg.address, mode)
     assert results[0]["dropped"] == ["module.emb"] and results[1]["dropped"] == []
     for res in results:
         # Rank 0 sent the bucket whole (mask pass), rank 1 its table as rows: the layouts

@@ -130,7 +130,9 @@ def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> 
     else:
         worker = Worker(address, rank=rank, world_size=world, job=f"ddp-{case}-{world}", timeout=30)
     with worker as w:
-        state = OmniReduceState(w)
+        # "rows_auto": the hook in its auto mode (gloo the dense group) with tracked tables.
+        state = OmniReduceState(w, mode="auto", dense_group=dist.group.WORLD) if case == "rows_auto" else (
+            OmniReduceState(w))
         if case == "fp16":
             ref.register_comm_hook(None, default_hooks.fp16_compress_hook)
             ours.register_comm_hook(state, default_hooks.fp16_compress_wrapper(omnireduce_hook))
@@ -155,7 +157,8 @@ def ddp_case(rank: int, world: int, address: str, case: str, steps: int = 4) -> 
         stats = w.stats.total.as_dict()
     rows = state.rows
     return {"expected": expected, "got": got, "stats": stats, "buckets": state.buckets, "error": state.error,
-            "tables": tables, "rows_buckets": rows.buckets if rows else 0, "dropped": rows.dropped if rows else []}
+            "tables": tables, "rows_buckets": rows.buckets if rows else 0, "dropped": rows.dropped if rows else [],
+            "votes": state.votes}
 
 
 def _gloo_sum(p: torch.Tensor, world: int, share: float | None = None) -> None:
@@ -835,18 +838,31 @@ def collectives_case(rank: int, world: int, address: str) -> dict[str, Any]:
     return out
 
 
-def rows_disagree_case(rank: int, world: int, address: str) -> dict[str, Any]:
+def rows_disagree_case(rank: int, world: int, address: str, mode: str = "sparse") -> dict[str, Any]:
     """Tracked embedding rows where only rank 0's table gets gradients outside its lookups: rank 0
     drops the table at its first check and sends the bucket by the mask pass, the others as rows.
-    What each rank sees from backward()."""
+    What each rank sees from backward(), with the hook in ``mode`` (auto: gloo the dense group)."""
     from worker import Worker
     from worker.ddp import OmniReduceState, omnireduce_hook
     from worker.embedding_rows import track_embedding_rows
 
+    if mode == "auto":
+        import worker.auto
+
+        # The cost model would send the bucket dense: rank 0's dropped table must not make it so.
+        worker.auto.model.choose_path = lambda *_a, **_k: ("dense", 1.0, 0.0)
     model = DDP(_model(misused=rank == 0))
-    with Worker(address, rank=rank, world_size=world, job=f"rows-disagree-{world}", timeout=5) as w:
-        state = OmniReduceState(w)
+    with Worker(address, rank=rank, world_size=world, job=f"rows-disagree-{mode}-{world}", timeout=5) as w:
+        state = OmniReduceState(w, mode=mode, dense_group=dist.group.WORLD if mode == "auto" else None)
         model.register_comm_hook(state, omnireduce_hook)
+        if mode == "auto":
+            # Two steps before tracking: the bucket's density is measured, so that from then on
+            # the ranks would vote on its path (and it would go dense, through gloo).
+            for step in range(2):
+                model.zero_grad()
+                _loss(model, rank, 10 + step).backward()
+            assert state.paths["dense"] == 1, state.paths
+            model.zero_grad()
         track_embedding_rows(state, model, verify_every=1)
         error = None
         try:

@@ -212,19 +212,23 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
         return _sparse_bucket(state, bucket.index(), buf)
     what = f"allreduce of DDP bucket {bucket.index()} ({buf.numel()} x {buf.dtype})"
     key = (bucket.index(), buf.numel(), buf.dtype)
+    # A bucket that holds a tracked table takes the sparse protocol on every rank, without
+    # a vote: a rank whose table was dropped (its rows are no longer given) must not enter
+    # the dense group's collective while the others run the rows op.
+    chooser = None if state.rows is not None and state.rows.ever_held(bucket) else state._chooser
     if state.error is not None:
-        if state._chooser is not None:
+        if chooser is not None:
             # The other ranks may wait in the agreement: vote sparse, so that they go on to
             # omnireduce (which fails within its timeout) instead of blocking in gloo.
-            _, basis = state._chooser.plan(key, buf.numel(), buf.element_size())
+            _, basis = chooser.plan(key, buf.numel(), buf.element_size())
             _agree(state, key, "sparse", basis)
         return _failed(f"omnireduce {what} skipped after an earlier failure: {state.error}")
     parts = state.rows.bucket_parts(bucket) if state.rows is not None else None
     if parts is not None:
         return _parts_bucket(state, buf, what, parts)
-    path = state.mode
-    if state._chooser is not None:
-        path, basis = state._chooser.plan(key, buf.numel(), buf.element_size())
+    path = "sparse" if state.mode == "auto" and chooser is None else state.mode
+    if chooser is not None:
+        path, basis = chooser.plan(key, buf.numel(), buf.element_size())
         path = _agree(state, key, path, basis)
     state.paths[path] += 1
     if path == "dense":
@@ -244,8 +248,7 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
         state.record(e)
         raise
     state.buckets += 1
-    if state._chooser is not None:
-        chooser = state._chooser
+    if chooser is not None:
 
         def measured(src: ConcurrentFuture) -> None:
             stats = getattr(src, "op_stats", None)

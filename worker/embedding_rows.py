@@ -63,6 +63,8 @@ class RowTracker:
         # Parameter (by id) -> the rows its last op wrote (see sums_written).
         self._written: dict[int, np.ndarray] = {}
         self._handles: list[Any] = []
+        # Every table ever tracked (by id), dropped ones too: what all ranks agree on.
+        self._ever: set[int] = set()
         #: Buckets sent as rows, and the tables dropped after a failed check.
         self.buckets = 0
         self.dropped: list[str] = []
@@ -78,6 +80,7 @@ class RowTracker:
         key = id(weight)
         self._ids[key] = []
         self._names[key] = name
+        self._ever.add(key)
 
         def looked_up(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], _output: Any) -> None:
             if torch.is_grad_enabled() and key in self._ids:
@@ -162,6 +165,10 @@ class RowTracker:
             parts.append(Part.dense_of(dense, buf))
         self.buckets += 1
         return parts
+
+    def ever_held(self, bucket: dist.GradBucket) -> bool:
+        """Whether ``bucket`` holds a table that was tracked, dropped since or not: the same on every rank."""
+        return any(id(p) in self._ever for p in bucket.parameters())
 
     def tracks(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is the weight of a table tracked (and not dropped)."""
@@ -273,7 +280,9 @@ def track_embedding_rows(state: Any, model: nn.Module, verify_every: int = DEFAU
 
     Tracks every ``nn.Embedding`` and ``nn.EmbeddingBag`` with ``sparse=False`` whose
     weight no other module holds; see the module's docstring for the promise and its check.
-    Call it once, before training; the hook must be in its sparse mode (the default).
+    Call it once, before training; the hook must be in its sparse mode (the default) or
+    its auto mode (a bucket holding a tracked table then always takes the sparse protocol,
+    on every rank, without a vote: see :func:`worker.ddp.omnireduce_hook`).
 
     Args:
         state: the :class:`worker.ddp.OmniReduceState` of the model's DDP hook.
@@ -285,12 +294,11 @@ def track_embedding_rows(state: Any, model: nn.Module, verify_every: int = DEFAU
         The names of the tables tracked.
 
     Raises:
-        ConfigError: the hook is in its dense or auto mode.
+        ConfigError: the hook is in its dense mode (every bucket through the dense group).
     """
-    if state.mode != "sparse":
-        # The dense path is a collective of its own: a rank that stopped tracking a table
-        # would enter it while the others run the rows op.
-        raise ConfigError(f"embedding rows are tracked in the hook's sparse mode only, not {state.mode!r}")
+    if state.mode == "dense":
+        raise ConfigError("embedding rows are tracked in the hook's sparse and auto modes, not its dense mode "
+                          "(every bucket goes through the dense group there)")
     if state.rows is not None:
         state.rows.remove()  # tracked again: the old hooks go
     state.rows = tracker_of(model, verify_every)

@@ -287,6 +287,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=["model", "sgd"], default="model",
                    help="the model's own optimiser (Adagrad), or plain SGD (replicas equal to the rounding of sums)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--bucket-view", action="store_true",
+                   help="DDP(gradient_as_bucket_view=True) for every system: gradients are DDP's buckets, "
+                        "not copied in and out of them")
     p.add_argument("--op-timeout", type=float, default=300.0, help="seconds any one operation may take")
     p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--retries", type=int, default=1,
@@ -312,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, Any] = {"load_average_start": os.getloadavg()}
     base = {"scale": args.scale, "seed": args.seed, "steps": args.steps, "batch": args.batch,
             "systems": args.systems, "op_timeout": args.op_timeout, "optimizer": args.optimizer,
-            "torch_threads": args.torch_threads}
+            "torch_threads": args.torch_threads, "bucket_view": args.bucket_view}
 
     def world(model: str, w: int, placement: Placement, master: tuple[str, int], iface: str | None) -> None:
         for attempt in range(args.retries + 1):

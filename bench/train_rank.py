@@ -117,7 +117,7 @@ def _replica(system: str, spec: train_models.ModelSpec, cfg: dict[str, Any], ran
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     module = spec.build(sparse=system in SPARSE_SYSTEMS, seed=cfg["seed"])
-    model = DDP(module)
+    model = DDP(module, gradient_as_bucket_view=bool(cfg.get("bucket_view", False)))
     if cfg.get("optimizer", "model") == "sgd":
         # Plain SGD: a parameter moves by lr x its gradient, so the replicas' gaps stay at the
         # rounding of the sums (Adagrad divides by the gradient's own size: a rounding-sized
@@ -205,7 +205,7 @@ def run(cfg: dict[str, Any]) -> None:
             steps, batch, systems, job, address (the aggregator), colocated_listen
             (per rank), iface (the rank's network interface, for byte counts; None on
             loopback), op_timeout, torch_threads, optimizer ("model": the model's own,
-            or "sgd").
+            or "sgd"), bucket_view (DDP's ``gradient_as_bucket_view``).
     """
     torch.set_num_threads(int(cfg["torch_threads"]))
     dist.init_process_group("gloo")

@@ -60,7 +60,8 @@ class RareTableClickModel(ClickModel):
     def __init__(self, unused: bool = False, vocab: int = VOCAB, sparse: bool = True) -> None:
         super().__init__(unused, vocab)
         self.emb.sparse = sparse
-        self.rare = nn.Embedding(50, 3, sparse=sparse)
+        # As wide as the other: sparse, the two go as one op.
+        self.rare = nn.Embedding(50, DIM, sparse=sparse)
 
     def forward(self, idx: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         out = super().forward(idx, offsets)

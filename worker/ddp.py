@@ -32,7 +32,7 @@ from worker.rows import SparseRows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OmniReduceState", "omnireduce_hook", "complete_torch_future", "cast_wrapper"]
+__all__ = ["OmniReduceState", "omnireduce_hook", "complete_torch_future", "cast_wrapper", "send_joined"]
 
 
 class OmniReduceState:
@@ -392,7 +392,7 @@ def _send_held(state: OmniReduceState) -> None:
                 future.set_exception(CollectiveError(f"sparse DDP bucket {index} skipped after an earlier failure"))
             continue
         try:
-            _send_group(state, items)
+            send_joined(state.worker, [(grad, future) for _, grad, future in items], state.samples)
         except BaseException as e:  # noqa: BLE001 - every held bucket's backward() gets it
             state.record(e)
             for _, _, future in items:
@@ -400,22 +400,32 @@ def _send_held(state: OmniReduceState) -> None:
                     future.set_exception(e)
 
 
-def _send_group(state: OmniReduceState, items: list[tuple[int, torch.Tensor, ConcurrentFuture]]) -> None:
-    parts = [SparseRows.from_torch(grad) for _, grad, _ in items]
-    offsets = [0, *itertools.accumulate(grad.shape[0] for _, grad, _ in items)]
+def send_joined(worker: Allreducer, items: list[tuple[torch.Tensor, ConcurrentFuture]],
+                weight: float | None) -> None:
+    """Sums sparse 2-D gradients of one dtype and row width as one rows op: the tables' rows
+    one after the other. Each item's future gets its own table's rows of the sum (a sparse
+    COO tensor), or the op's error.
+
+    Args:
+        worker: the worker to send through.
+        items: (gradient, future) pairs, in the order every rank gives them.
+        weight: this rank's samples (a weighted op), or None.
+    """
+    parts = [SparseRows.from_torch(grad) for grad, _ in items]
+    offsets = [0, *itertools.accumulate(grad.shape[0] for grad, _ in items)]
     joined = SparseRows.join(parts, offsets[:-1], offsets[-1], None)
-    source = state.worker.allreduce_async(joined, weight=state.samples)
+    source = worker.allreduce_async(joined, weight=weight)
 
     def split(src: ConcurrentFuture) -> None:
         error = src.exception()
-        for k, (_, _, future) in enumerate(items):
+        for k, (_, future) in enumerate(items):
             if error is not None:
                 future.set_exception(error)
                 continue
             try:
                 rows = src.result().slice_rows(offsets[k], offsets[k + 1])
                 future.set_result(rows.to_torch(1))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting backward()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
                 logger.exception("could not split the summed sparse gradients")
                 future.set_exception(e)
 

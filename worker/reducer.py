@@ -33,6 +33,7 @@ from torch import nn
 from omnireduce import config
 from omnireduce.errors import OmniReduceError
 from worker.api import Allreducer
+from worker.ddp import send_joined
 from worker.embedding_rows import DEFAULT_VERIFY_EVERY, Part, RowTracker, tracker_of
 from worker.knownrows import KnownRows, dense_sum_of, known_rows
 
@@ -134,6 +135,10 @@ class GradientReducer:
             for p in b.params:
                 self._bucket_of[id(p)] = i
         self._next = 0
+        # Sparse gradients wait here for the last sparse bucket, then go as one op per (dtype,
+        # row width), as the DDP hook's do: a model of 26 tables pays one op's fixed cost, not 26.
+        self._held: list[tuple[_Bucket, torch.Tensor]] = []
+        self._last_sparse = max((b.index for b in self._buckets if b.kind is _Kind.SPARSE), default=-1)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     @property
@@ -176,15 +181,8 @@ class GradientReducer:
         if b.kind is _Kind.ROWS:
             flat, key = self._rows_op(b, divide, world), None
         elif b.kind is _Kind.SPARSE:
-            p = b.params[0]
-            grad = p.grad if p.grad is not None else _no_rows(p)
-            if grad.is_sparse:
-                # A new tensor (the rows of a coalesced copy), as DDP leaves the local gradient alone.
-                flat = grad / world if divide else grad
-            else:
-                # A dense gradient from a table made sparse only later: sent dense (every rank alike).
-                flat = grad.reshape(-1) / world if divide else grad.reshape(-1).clone()
-            key = ("sparse", b.index)
+            self._launch_sparse(b, divide, world)
+            return
         else:
             own = _own_gradient(b)
             # A bucket of one parameter (a table larger than the cap) is summed where its gradient
@@ -193,13 +191,51 @@ class GradientReducer:
             if divide:
                 flat.div_(world)
         b.buffer = flat
-        options: dict = {"inplace": True} if b.kind is _Kind.DENSE and flat is own else {}
         try:
             b.future = self.worker.allreduce_async(b.known if b.known is not None else flat, weight=weight, key=key,
-                                                   **options)
+                                                   inplace=b.kind is _Kind.DENSE and own is not None)
         except BaseException as e:
             self.error = e
             raise
+
+    def _launch_sparse(self, b: _Bucket, divide: bool, world: int) -> None:
+        p = b.params[0]
+        grad = p.grad if p.grad is not None else _no_rows(p)
+        if grad.is_sparse:
+            # A new tensor (the rows of a coalesced copy), as DDP leaves the local gradient alone.
+            b.buffer = grad / world if divide else grad
+            if grad.dim() == 2 and grad.sparse_dim() == 1:
+                b.future = Future()
+                self._held.append((b, b.buffer))
+        else:
+            # A dense gradient from a table made sparse only later: sent dense (every rank alike).
+            b.buffer = grad.reshape(-1) / world if divide else grad.reshape(-1).clone()
+        try:
+            if b.future is None:
+                b.future = self.worker.allreduce_async(b.buffer, weight=self.samples, key=("sparse", b.index))
+            if b.index == self._last_sparse:
+                self._send_held()
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def _send_held(self) -> None:
+        """Sends the held sparse gradients: one op per (dtype, row width), in bucket order."""
+        held, self._held = self._held, []
+        groups: dict[tuple[torch.dtype, int], list[tuple[torch.Tensor, Future]]] = {}
+        for b, grad in held:
+            assert b.future is not None
+            groups.setdefault((grad.dtype, grad.shape[1]), []).append((grad, b.future))
+        pending = list(groups.values())
+        for k, items in enumerate(pending):
+            try:
+                send_joined(self.worker, items, self.samples)
+            except BaseException as e:
+                # This group's and the later ones' futures fail too: synchronize() must not wait on them.
+                for rest in pending[k:]:
+                    for _, future in rest:
+                        future.set_exception(e)
+                raise
 
     def _rows_op(self, b: _Bucket, divide: bool, world: int) -> torch.Tensor:
         """Sets up a tracked table's op (``b.known``, unless the table went dense); returns its gradient."""

@@ -9,7 +9,7 @@ steps on ids drawn from a Zipf law (``--zipf 0``: uniform), each system in turn:
 * ``gloo``: every gradient summed by gloo's ``all_reduce`` after ``backward()`` and
   divided by the world size (a plain loop's own reduction);
 * ``reducer``: :class:`worker.reducer.GradientReducer` on a co-located worker, the table
-  copied into a bucket and sent after its mask pass;
+  (a bucket of its own) summed in place after its mask pass;
 * ``reducer-rows``: the same with ``embedding_rows=True``, the table sent as the rows it
   looked up, in place.
 

@@ -187,3 +187,45 @@ def test_dense_pieces_apart_go_as_one_copy_whose_sum_is_written_back() -> None:
     assert kinds == [("rows", (20, 4)), ("dense", (8,))]
     # Every nonzero element doubled, wherever it lies: the dense copy's sum went back to both pieces.
     assert torch.equal(bucket.buffer(), 2 * before)
+
+
+class _ReadOutside(nn.Module):
+    """A table also read outside its lookups (its check drops it), and a head that works without it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids: Any) -> Any:
+        return self.head(self.emb(ids)).sum() + self.emb.weight[:2].sum()
+
+
+def test_reducer_sends_a_dropped_table_whole_even_from_a_rank_that_did_not_use_it(aggregator: Any) -> None:
+    # The table is dropped at its first check on both ranks; at step 2 rank 1 does not use it
+    # (no gradient): it must send zeros the way rank 0 sends its gradient (whole, not as rows).
+    from tests.helpers import run_ranks
+    from worker import Worker
+    from worker.reducer import GradientReducer
+
+    def rank(r: int) -> dict[str, Any]:
+        model, ref = _ReadOutside(), _ReadOutside()
+        with Worker(aggregator.address, rank=r, world_size=2, job="dropped-unused", timeout=20) as w:
+            reducer = GradientReducer(model, w, embedding_rows=True, verify_every=1)
+            for step in range(3):
+                model.zero_grad()
+                ids = torch.tensor([r + 3, 7])
+                if step == 2 and r == 1:
+                    model.head(torch.ones(4)).sum().backward()
+                else:
+                    model(ids).backward()
+                reducer.synchronize()
+            ref(torch.tensor([3, 7])).backward()  # rank 0's step-2 gradient, unreduced
+            return {"grad": model.emb.weight.grad.clone(), "dropped": list(reducer.rows.dropped),
+                    "alone": ref.emb.weight.grad / 2}
+
+    results = run_ranks(2, rank)
+    for res in results:
+        assert res["dropped"] == ["emb"]
+        torch.testing.assert_close(res["grad"], results[0]["alone"])

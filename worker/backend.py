@@ -105,6 +105,23 @@ def _splits(sizes: list[int], rows: int, world: int, what: str, side: str) -> li
     return sizes
 
 
+def _check_reducible(t: torch.Tensor, op: Any, what: str, name: str) -> None:
+    """Refuses a reduction the backend does not do (``name``: the collective asked)."""
+    if op in _GATHERED:
+        return
+    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        raise CollectiveError(f"the omnireduce backend's {name} does not support {op}")
+    if t.dtype not in _FLOAT and t.dtype not in _INT:
+        raise CollectiveError(f"the omnireduce backend's {name} does not support {t.dtype} ({what})")
+    if op == dist.ReduceOp.AVG and t.dtype not in _FLOAT:
+        raise CollectiveError(f"the omnireduce backend's {name} AVG needs a float tensor, not {t.dtype}")
+
+
+def _same_count(outputs: list[Any], inputs: list[Any], what: str) -> None:
+    if len(outputs) != len(inputs):
+        raise CollectiveError(f"{what}: {len(outputs)} outputs for {len(inputs)} inputs")
+
+
 def _dense(t: torch.Tensor, what: str) -> torch.Tensor:
     """``t``, refused if it is not a dense CPU tensor (a collective that lays tensors end to end)."""
     if t.is_sparse or t.device.type != "cpu":
@@ -322,14 +339,9 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         Raises:
             CollectiveError: ``op`` or ``t``'s dtype is not supported (``name``: the collective).
         """
+        _check_reducible(t, op, what, name)
         if op in _GATHERED:
             return self._gathered_reduce(t, op, what)
-        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise CollectiveError(f"the omnireduce backend's {name} does not support {op}")
-        if t.dtype not in _FLOAT and t.dtype not in _INT:
-            raise CollectiveError(f"the omnireduce backend's {name} does not support {t.dtype} ({what})")
-        if op == dist.ReduceOp.AVG and t.dtype not in _FLOAT:
-            raise CollectiveError(f"the omnireduce backend's {name} AVG needs a float tensor, not {t.dtype}")
         return self._sum(t, op == dist.ReduceOp.AVG, what)
 
     def _sum(self, t: torch.Tensor, average: bool, what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
@@ -510,15 +522,16 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         # every rank receives the whole sum (the aggregator has no per-rank result).
         op = _op_type(opts)
         what = f"reduce_scatter ({getattr(op, 'name', op)}) of {_describe(output_tensors)}"
-        parts = []
+        _same_count(output_tensors, input_tensors, what)
+        pairs = []
         for out, ins in zip(output_tensors, input_tensors, strict=True):
             if len(ins) != self._world:
                 raise CollectiveError(f"reduce_scatter needs {self._world} input tensors, got {len(ins)}")
             if any(i.dtype != out.dtype or i.numel() != out.numel() for i in ins):
                 raise CollectiveError(f"{what}: every input must have the output's dtype and size, got "
                                       f"{_describe(ins)}")
-            parts.append(self._scattered(out, torch.cat([_dense(i, what).reshape(-1) for i in ins]), op, what))
-        return self._work(parts, output_tensors, what)
+            pairs.append((out, torch.cat([_dense(i, what).reshape(-1) for i in ins])))
+        return self._scatter_all(pairs, op, what)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op = _op_type(opts)
@@ -526,40 +539,44 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         if input.numel() != output.numel() * self._world:
             raise CollectiveError(f"{what}: the input needs {self._world} x the output's {output.numel()} elements")
         # A copy: the sum is made in place, and the input stays as it was.
-        flat = _dense(input, what).reshape(-1).clone()
-        return self._work([self._scattered(output, flat, op, what)], [output], what)
+        return self._scatter_all([(output, _dense(input, what).reshape(-1).clone())], op, what)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         op = _op_type(opts)
         what = f"reduce_scatter_tensor ({getattr(op, 'name', op)}) of {_describe(inputs)}"
-        parts = []
-        for out, t in zip(outputs, inputs, strict=True):
-            if t.numel() != out.numel() * self._world:
-                raise CollectiveError(f"{what}: the input needs {self._world} x the output's {out.numel()} elements")
-            parts.append(self._scattered(out, _dense(t, what).reshape(-1).clone(), op, what))
-        return self._work(parts, outputs, what)
+        _same_count(outputs, inputs, what)
+        pairs = [(out, _dense(t, what).reshape(-1).clone()) for out, t in zip(outputs, inputs, strict=True)]
+        return self._scatter_all(pairs, op, what)
 
     reduce_scatter_single = _reduce_scatter_base
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
-    def _scattered(self, out: torch.Tensor, flat: torch.Tensor, op: Any,
-                   what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
-        """The part that reduces ``flat`` (every rank's pieces, end to end) and writes this rank's piece to ``out``."""
-        n = out.numel()
-        if flat.dtype != out.dtype or flat.numel() != n * self._world:
-            raise CollectiveError(f"{what}: the inputs ({flat.numel()} {flat.dtype}) do not match {self._world} "
-                                  f"outputs of {_describe([out])}")
-        src, reduce = self._reduced(flat, op, what, "reduce_scatter")
+    def _scatter_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], op: Any, what: str) -> Any:
+        """The reduce_scatter of each (output, flat) pair: ``flat`` holds every rank's pieces end to
+        end; this rank's piece of its reduction goes to ``output``. Every pair is checked before
+        the first is sent, so a refusal sends nothing."""
+        for out, flat in pairs:
+            if flat.dtype != out.dtype or flat.numel() != out.numel() * self._world:
+                raise CollectiveError(f"{what}: the input ({flat.numel()} {flat.dtype}) does not match {self._world} "
+                                      f"x the output {_describe([out])}")
+            _check_reducible(flat, op, what, "reduce_scatter")
+        parts = []
+        for out, flat in pairs:
+            src, reduce = self._reduced(flat, op, what, "reduce_scatter")
 
-        def finish(res: Any) -> None:
-            reduce(res)
-            out.copy_(flat[self._rank * n : (self._rank + 1) * n].view(out.shape))
+            def finish(res: Any, out: torch.Tensor = out, flat: torch.Tensor = flat, reduce: Any = reduce) -> None:
+                n = out.numel()
+                reduce(res)
+                out.copy_(flat[self._rank * n : (self._rank + 1) * n].view(out.shape))
 
-        return src, finish
+            parts.append((src, finish))
+        return self._work(parts, [out for out, _ in pairs], what)
 
     # all_to_all: every rank's bytes for every other rank gathered (world x an all_to_all's bytes:
-    # correct and bit-exact, not fast; the aggregator has no per-rank result to route).
+    # correct and bit-exact, not fast; the aggregator has no per-rank result to route). The call
+    # waits for the split table (the first of its two ops), even with async_op=True: every rank
+    # must reach it, and it must not be called from a Work's callback (that thread delivers it).
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Any:

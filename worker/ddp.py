@@ -55,7 +55,9 @@ class OmniReduceState:
             allreduce on this group, whichever the cost model predicts faster for the
             bucket's density (see :mod:`worker.auto`); with ``mode="dense"`` always
             the group.
-        mode: "sparse" (default), "dense" or "auto".
+        mode: "sparse" (default), "dense" or "auto". In auto mode a bucket that holds a table
+            tracked by :func:`worker.embedding_rows.track_embedding_rows` always takes the
+            sparse protocol, without a vote.
         paths: how many buckets took each path ({"sparse": n, "dense": m}).
         votes: how many times the ranks voted on a bucket's path in auto mode (once
             per new density measurement of a bucket, not per step).

@@ -49,12 +49,15 @@ class _Kind(enum.Enum):
 
 
 class _Bucket:
-    __slots__ = ("params", "index", "kind", "ready", "future", "buffer", "known")
+    __slots__ = ("params", "index", "kind", "module", "ready", "future", "buffer", "known")
 
-    def __init__(self, params: list[torch.nn.Parameter], index: int, kind: _Kind = _Kind.DENSE) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], index: int, kind: _Kind = _Kind.DENSE,
+                 module: nn.Module | None = None) -> None:
         self.params = params
         self.index = index
         self.kind = kind
+        # A sparse bucket's embedding: whether it is sparse now decides what an unused table sends.
+        self.module = module
         self.ready = 0
         self.future: Future | None = None
         self.buffer: torch.Tensor | None = None
@@ -62,9 +65,10 @@ class _Bucket:
         self.known: KnownRows | None = None
 
 
-def _sparse_weights(model: nn.Module) -> set[int]:
-    """The parameters (by id) whose gradients are sparse: the weights of sparse embeddings, as DDP finds them."""
-    return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+def _sparse_weights(model: nn.Module) -> dict[int, nn.Module]:
+    """The parameters (by id) whose gradients are sparse, and their modules: the weights of sparse
+    embeddings, as DDP finds them."""
+    return {id(m.weight): m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
 
 class GradientReducer:
@@ -85,8 +89,12 @@ class GradientReducer:
             first use and every this many uses after (0: never).
 
     Raises:
-        ConfigError: ``bucket_cap_mb`` is not a finite positive number, or ``verify_every``
-            not a non-negative integer.
+        ConfigError: ``bucket_cap_mb`` is not a finite positive number, or (with
+            ``embedding_rows``) ``verify_every`` not a non-negative integer.
+
+    After a failed :meth:`synchronize` the gradients are not to be used: buckets of one
+    parameter and tracked tables are divided and summed in ``.grad`` itself (as DDP's
+    hook sums in its buckets).
     """
 
     def __init__(
@@ -120,7 +128,7 @@ class GradientReducer:
                 if current:
                     self._buckets.append(_Bucket(current, len(self._buckets)))
                     current, size = [], 0
-                self._buckets.append(_Bucket([p], len(self._buckets), kind))
+                self._buckets.append(_Bucket([p], len(self._buckets), kind, sparse.get(id(p))))
                 continue
             nbytes = p.numel() * p.element_size()
             if current and (size + nbytes > cap or p.dtype != current[0].dtype):
@@ -177,12 +185,11 @@ class GradientReducer:
         weight = self.samples
         world = self.worker.world_size
         divide = weight is None and self.average and world > 1
-        key: tuple | None = ("bucket", b.index)
-        if b.kind is _Kind.ROWS:
-            flat, key = self._rows_op(b, divide, world), None
-        elif b.kind is _Kind.SPARSE:
+        if b.kind is _Kind.SPARSE:
             self._launch_sparse(b, divide, world)
             return
+        if b.kind is _Kind.ROWS:
+            flat, inplace = self._rows_op(b, divide, world)
         else:
             own = _own_gradient(b)
             # A bucket of one parameter (a table larger than the cap) is summed where its gradient
@@ -190,17 +197,23 @@ class GradientReducer:
             flat = own if own is not None else torch.cat([_flat(p) for p in b.params])
             if divide:
                 flat.div_(world)
+            inplace = own is not None
         b.buffer = flat
         try:
-            b.future = self.worker.allreduce_async(b.known if b.known is not None else flat, weight=weight, key=key,
-                                                   inplace=b.kind is _Kind.DENSE and own is not None)
+            if b.known is not None:
+                b.future = self.worker.allreduce_async(b.known, weight=weight)
+            else:
+                b.future = self.worker.allreduce_async(flat, weight=weight, key=("bucket", b.index), inplace=inplace)
         except BaseException as e:
             self.error = e
             raise
 
     def _launch_sparse(self, b: _Bucket, divide: bool, world: int) -> None:
         p = b.params[0]
-        grad = p.grad if p.grad is not None else _no_rows(p)
+        grad = p.grad
+        if grad is None:
+            # Unused here: no rows, in the form the ranks that used the table send.
+            grad = _no_rows(p) if b.module is None or b.module.sparse else torch.zeros_like(p)
         if grad.is_sparse:
             # A new tensor (the rows of a coalesced copy), as DDP leaves the local gradient alone.
             b.buffer = grad / world if divide else grad
@@ -208,7 +221,7 @@ class GradientReducer:
                 b.future = Future()
                 self._held.append((b, b.buffer))
         else:
-            # A dense gradient from a table made sparse only later: sent dense (every rank alike).
+            # A dense gradient (the table's sparse flag turned off after the reducer was built): sent dense.
             b.buffer = grad.reshape(-1) / world if divide else grad.reshape(-1).clone()
         try:
             if b.future is None:
@@ -237,32 +250,34 @@ class GradientReducer:
                         future.set_exception(e)
                 raise
 
-    def _rows_op(self, b: _Bucket, divide: bool, world: int) -> torch.Tensor:
-        """Sets up a tracked table's op (``b.known``, unless the table went dense); returns its gradient."""
+    def _rows_op(self, b: _Bucket, divide: bool, world: int) -> tuple[torch.Tensor, bool]:
+        """Sets up a tracked table's op: its rows (``b.known``), or, once the table is dropped (or
+        its gradient is not a dense CPU tensor), its whole gradient. Returns the gradient (flat
+        where it goes whole) and whether a whole gradient is summed in place."""
         assert self.rows is not None
         p = b.params[0]
         grad = p.grad
-        where = f"GradientReducer bucket {b.index}"
+        usable = grad is not None and not grad.is_sparse and grad.is_contiguous() and grad.device.type == "cpu"
+        # Consumed whichever way the table goes: its ids are this step's.
+        ids = self.rows.table_rows(p, grad.view(grad.shape[0], -1) if usable else None,
+                                   f"GradientReducer bucket {b.index}")
+        if ids is None or (grad is not None and not usable):
+            # The mask pass over the whole gradient, as for any bucket (zeros where it has none).
+            flat = grad.view(-1) if usable else _flat(p)
+            if divide:
+                flat.div_(world)
+            return flat, usable
         if grad is None:
             # Unused here: no rows from this rank, and a dense sum to give the gradient if others sent some.
-            self.rows.table_rows(p, None, where)
             b.known = dense_sum_of(_no_rows(p), world_size=world)
             b.known.written = []
-            return p.detach()
-        ids = None
-        if not grad.is_sparse and grad.is_contiguous() and grad.device.type == "cpu":
-            ids = self.rows.table_rows(p, grad.view(grad.shape[0], -1), where)
-        if ids is None:
-            # Dropped by its check (or not a dense CPU gradient): the mask pass, in place.
-            if divide:
-                grad.div_(world)
-            return grad
+            return p.detach(), False
         if divide:
             # Only these rows: the others are zero (what the tracking rests on).
             idx = torch.from_numpy(ids)
             grad.index_copy_(0, idx, grad.index_select(0, idx).div_(world))
         b.known = known_rows(grad, ids, inplace=True, world_size=world, record=True)
-        return grad
+        return grad, False
 
     def synchronize(self) -> None:
         """Waits for every bucket's sum and writes it into the parameters' ``.grad``.
@@ -318,12 +333,15 @@ class GradientReducer:
             self.rows.sums_written(Part(out, None, 0, out.numel(), tables=[(id(p), 0, p.shape[0])]), union)
             if p.grad is None and len(union):
                 p.grad = out
-        elif p.grad is not None and out is not p.grad:
-            # Sent whole (the table went dense): a new sum.
-            if p.grad.is_sparse:
-                p.grad = out
-            else:
-                p.grad.copy_(out.view(p.grad.shape))
+        elif p.grad is None:
+            # Sent whole, as zeros: the others' sum, if they sent any.
+            if bool(out.any()):
+                p.grad = out.view(p.shape)
+        elif p.grad.is_sparse:
+            p.grad = out.view(p.shape)
+        elif out.data_ptr() != p.grad.data_ptr():
+            # Sent whole as a copy (a gradient that could not be summed in place).
+            p.grad.copy_(out.view(p.grad.shape))
 
 
 def _own_gradient(b: _Bucket) -> torch.Tensor | None:
@@ -340,7 +358,7 @@ def _flat(p: torch.Tensor) -> torch.Tensor:
     """A parameter's gradient flattened for a dense bucket (zeros if it has none)."""
     g = p.grad
     if g is None:
-        return torch.zeros(p.numel(), dtype=p.dtype)
+        return torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
     if g.is_sparse:
         # Sparse outside a sparse embedding (a custom function): every rank sends it dense alike.
         return g.to_dense().reshape(-1)

@@ -13,6 +13,11 @@ steps on ids drawn from a Zipf law (``--zipf 0``: uniform), each system in turn:
 * ``reducer-rows``: the same with ``embedding_rows=True``, the table sent as the rows it
   looked up, in place.
 
+With ``--sparse`` the table is ``nn.Embedding(sparse=True)``: ``gloo`` is then torch's own
+sparse allreduce of its COO gradient (an allgather of every rank's rows), and ``reducer``
+sends the rows through the aggregator (``reducer-rows`` is refused: there is no dense
+table to track).
+
 A step's time is ``backward()`` and the reduction (``synchronize()`` for the reducer),
 the slowest rank's, and its CPU (``time.process_time``: every thread of the process).
 The systems alternate in blocks, ``--rounds`` times. Timings only: the gradients of
@@ -49,7 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf", type=float, default=0.0, help="Zipf exponent of the ids (default 0: uniform)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per block (default 10)")
     p.add_argument("--rounds", type=int, default=2, help="blocks per system, alternating (default 2)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
+                   help="default: all (without reducer-rows with --sparse)")
+    p.add_argument("--sparse", action="store_true", help="nn.Embedding(sparse=True): COO gradients")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the ranks are killed")
     args = p.parse_args(argv)
     for name in ("workers", "rows", "width", "lookups", "steps", "rounds"):
@@ -57,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be at least 1")
     if args.zipf < 0:
         p.error("--zipf must be non-negative")
+    if args.systems is None:
+        args.systems = [s for s in SYSTEMS if not (args.sparse and s == "reducer-rows")]
+    if args.sparse and "reducer-rows" in args.systems:
+        p.error("--sparse has no dense table for reducer-rows to track")
     return args
 
 
@@ -77,7 +88,7 @@ class _Steps:
         from torch import nn
 
         torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Embedding(args.rows, args.width), nn.Linear(args.width, 1))
+        self.model = nn.Sequential(nn.Embedding(args.rows, args.width, sparse=args.sparse), nn.Linear(args.width, 1))
         self.worker = worker
         self.world = args.workers
         self.rng = np.random.default_rng([11, rank])
@@ -105,13 +116,15 @@ class _Steps:
             self.reducer.synchronize()
         else:
             for p in self.model.parameters():
+                # A sparse gradient: gloo's sparse allreduce (its sum is coalesced).
                 dist.all_reduce(p.grad)
-                p.grad.div_(self.world)
+                p.grad = p.grad / self.world
         return time.perf_counter() - t0, time.process_time() - c0
 
     def grads(self, ids: Any) -> list[Any]:
         self.step(ids)
-        return [p.grad.detach().clone() for p in self.model.parameters()]
+        return [p.grad.detach().to_dense() if p.grad.is_sparse else p.grad.detach().clone()
+                for p in self.model.parameters()]
 
 
 def _rank(args: argparse.Namespace, rank: int) -> None:
@@ -178,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank exit codes {codes}", file=sys.stderr)
         return 1
     print(f"\n{args.workers} workers, {args.lookups} lookups (Zipf {args.zipf:g}) in a {args.rows:,} x {args.width} "
-          f"float32 table, {args.steps} steps per block; load average {os.getloadavg()[0]:.1f}\n")
+          f"float32 table{' (sparse=True)' if args.sparse else ''}, {args.steps} steps per block; load average "
+          f"{os.getloadavg()[0]:.1f}\n")
     print("| system | backward + reduction, ms (median of blocks) | CPU per rank, ms |")
     print("|---|---|---|")
     for system in args.systems:

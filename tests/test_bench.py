@@ -357,13 +357,20 @@ def test_reducer_benchmark_tiny() -> None:
     for b in blocks:
         assert b["ms_per_step"] > 0 and len(b["cpu_ms_per_rank"]) == 2
     assert "| reducer-rows |" in res.stdout
+    # Sparse tables: gloo's sparse allreduce against the reducer's rows (checked equal first).
+    res = subprocess.run([*cmd, "--sparse"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    blocks = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [b["system"] for b in blocks] == ["gloo", "reducer"] * 2
 
 
 def test_reducer_benchmark_rejects_bad_arguments() -> None:
     from bench.reducer import parse_args
 
     assert parse_args(["--workers", "3"]).workers == 3
-    for bad in (["--workers", "0"], ["--steps", "0"], ["--zipf", "-1"], ["--systems", "gloo-sparse"]):
+    assert parse_args(["--sparse"]).systems == ["gloo", "reducer"]
+    for bad in (["--workers", "0"], ["--steps", "0"], ["--zipf", "-1"], ["--systems", "gloo-sparse"],
+                ["--sparse", "--systems", "reducer-rows"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

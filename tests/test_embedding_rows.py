@@ -229,3 +229,25 @@ def test_reducer_sends_a_dropped_table_whole_even_from_a_rank_that_did_not_use_i
     for res in results:
         assert res["dropped"] == ["emb"]
         torch.testing.assert_close(res["grad"], results[0]["alone"])
+
+
+def test_reducer_consumes_a_tables_ids_when_its_gradient_goes_whole(aggregator: Any) -> None:
+    # A gradient that is not a contiguous CPU tensor (a CUDA model's; here a transposed copy)
+    # goes whole; its lookups must not pile up in the tracker step after step.
+    from worker import Worker
+    from worker.reducer import GradientReducer
+
+    model = _ReadOutside()
+    with Worker(aggregator.address, rank=0, world_size=1, job="ids-consumed", timeout=20) as w:
+        reducer = GradientReducer(model, w, embedding_rows=True, verify_every=0)
+        weight = model.emb.weight
+        for _ in range(3):
+            model.zero_grad()
+            with reducer.no_sync():  # nothing sent during backward: the gradient is swapped first
+                model.head(model.emb(torch.tensor([4, 9]))).sum().backward()
+            grad = weight.grad.clone()
+            weight.grad = grad.t().contiguous().t()
+            assert not weight.grad.is_contiguous()
+            reducer.synchronize()
+            torch.testing.assert_close(weight.grad, grad)
+            assert reducer.rows is not None and reducer.rows._ids[id(weight)] == []

@@ -194,9 +194,14 @@ class _ReadOutside(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.emb = nn.Embedding(20, 4)
         self.head = nn.Linear(4, 1)
+        # The same weights on every rank, from a generator of its own: the ranks are threads here,
+        # and the global one's draws would interleave.
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
 
     def forward(self, ids: Any) -> Any:
         return self.head(self.emb(ids)).sum() + self.emb.weight[:2].sum()

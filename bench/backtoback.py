@@ -21,14 +21,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 import numpy as np
 
-from bench.common import free_port
+from bench.common import run_local_ranks
 
 __all__ = ["main"]
 
@@ -118,23 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         _rank(parse_args(argv), int(os.environ["OMNIREDUCE_B2B_RANK"]))
         return 0
     args = parse_args(argv)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    cmd = [sys.executable, "-m", "bench.backtoback", *(argv if argv is not None else sys.argv[1:])]
-    procs = [subprocess.Popen(cmd, env={**env, "OMNIREDUCE_B2B_RANK": str(r)},
-                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True)
-             for r in range(args.workers)]
-    try:
-        out, _ = procs[0].communicate(timeout=args.timeout)
-        codes = [procs[0].returncode] + [p.wait(timeout=args.timeout) for p in procs[1:]]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    for e in events:
-        print(json.dumps(e))
-    if any(codes):
-        print(f"rank exit codes {codes}", file=sys.stderr)
+    events = run_local_ranks("bench.backtoback", argv, args.workers, "OMNIREDUCE_B2B_RANK", args.timeout)
+    if events is None:
         return 1
     print(f"\n{args.workers} workers, {args.lookups} lookups of {args.width} floats from {args.rows:,} rows "
           f"(Zipf {args.zipf:g}), {args.ops} ops per block; load average {os.getloadavg()[0]:.1f}")

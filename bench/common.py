@@ -10,6 +10,8 @@ import math
 import os
 import socket
 import statistics
+import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ __all__ = [
     "is_colocated",
     "is_rows",
     "worker_mode",
+    "run_local_ranks",
     "DENSITIES",
     "RankSpec",
     "make_tensor",
@@ -147,6 +150,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_local_ranks(module: str, argv: list[str] | None, workers: int, rank_env: str,
+                    timeout: float) -> list[dict[str, Any]] | None:
+    """Runs ``python -m module argv`` as ``workers`` rank processes on loopback.
+
+    Each process gets torch's env:// rendezvous (``MASTER_ADDR``/``MASTER_PORT``) and its rank
+    in ``rank_env``; the module's ``main`` runs the rank when that is set.
+
+    Returns:
+        The JSON lines rank 0 printed (echoed to stdout), or None if a rank failed (its
+        exit codes on stderr).
+    """
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = [sys.executable, "-m", module, *(argv if argv is not None else sys.argv[1:])]
+    procs = [subprocess.Popen(cmd, env={**env, rank_env: str(r)},
+                              stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True)
+             for r in range(workers)]
+    try:
+        out, _ = procs[0].communicate(timeout=timeout)
+        codes = [procs[0].returncode] + [p.wait(timeout=timeout) for p in procs[1:]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for e in events:
+        print(json.dumps(e))
+    if any(codes):
+        print(f"rank exit codes {codes}", file=sys.stderr)
+        return None
+    return events
 
 
 def parse_size(text: str) -> int:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.api import Allreducer
 from worker.auto import MODES, PathChooser
-from worker.embedding_rows import Part, RowTracker
+from worker.embedding_rows import Part, RowTracker, divide_rows
 from worker.futures import Settable
 from worker.knownrows import known_rows
 from worker.rows import SparseRows
@@ -282,9 +282,7 @@ def _parts_bucket(state: OmniReduceState, buf: torch.Tensor, what: str,
                 sources.append(state.worker.allreduce_async(part.view, inplace=True, weight=weight))
                 continue
             if divide:
-                # Only these rows: the others are zero (what the tracking rests on).
-                idx = torch.from_numpy(part.rows)
-                part.view.index_copy_(0, idx, part.view.index_select(0, idx).div_(world))
+                divide_rows(part.view, part.rows, world)
             # Recording the rows written: the tracker checks them at the next step.
             part.known = known_rows(part.view, part.rows, inplace=True, world_size=world, record=True)
             sources.append(state.worker.allreduce_async(part.known, weight=weight))

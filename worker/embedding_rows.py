@@ -37,7 +37,7 @@ from omnireduce.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Part", "RowTracker", "track_embedding_rows", "tracker_of"]
+__all__ = ["Part", "RowTracker", "divide_rows", "track_embedding_rows", "tracker_of"]
 
 #: A bucket of tracked tables is checked against its ids at its first use and every this many after.
 DEFAULT_VERIFY_EVERY = 100
@@ -215,6 +215,13 @@ class RowTracker:
             where, len(outside), name,
         )
         return False
+
+
+def divide_rows(view: torch.Tensor, rows: np.ndarray, world: int) -> None:
+    """Divides only ``rows`` of a table's gradient ``view`` by ``world``, in place: the others are
+    zero (what the tracking rests on), so the mean needs no pass over them."""
+    idx = torch.from_numpy(rows)
+    view.index_copy_(0, idx, view.index_select(0, idx).div_(world))
 
 
 def _rows_to_send(view: torch.Tensor, seen: list[torch.Tensor], before: np.ndarray | None) -> np.ndarray:

@@ -34,7 +34,7 @@ from omnireduce import config
 from omnireduce.errors import OmniReduceError
 from worker.api import Allreducer
 from worker.ddp import send_joined
-from worker.embedding_rows import DEFAULT_VERIFY_EVERY, Part, RowTracker, tracker_of
+from worker.embedding_rows import DEFAULT_VERIFY_EVERY, Part, RowTracker, divide_rows, tracker_of
 from worker.knownrows import KnownRows, dense_sum_of, known_rows
 
 logger = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class GradientReducer:
         assert self.rows is not None
         p = b.params[0]
         grad = p.grad
-        usable = grad is not None and not grad.is_sparse and grad.is_contiguous() and grad.device.type == "cpu"
+        usable = _in_place(grad)
         # Consumed whichever way the table goes: its ids are this step's.
         ids = self.rows.table_rows(p, grad.view(grad.shape[0], -1) if usable else None,
                                    f"GradientReducer bucket {b.index}")
@@ -273,9 +273,7 @@ class GradientReducer:
             b.known.written = []
             return p.detach(), False
         if divide:
-            # Only these rows: the others are zero (what the tracking rests on).
-            idx = torch.from_numpy(ids)
-            grad.index_copy_(0, idx, grad.index_select(0, idx).div_(world))
+            divide_rows(grad, ids, world)
         b.known = known_rows(grad, ids, inplace=True, world_size=world, record=True)
         return grad, False
 
@@ -327,7 +325,8 @@ class GradientReducer:
     def _set_rows(self, b: _Bucket, out: torch.Tensor) -> None:
         """Gives a tracked table its summed gradient (summed in place, unless it had none)."""
         p = b.params[0]
-        if b.known is not None and self.rows is not None:
+        if b.known is not None:
+            assert self.rows is not None  # a rows bucket exists only with a tracker
             union = b.known.union()
             # The rows written: if the gradient is not zeroed before the next step, they go again.
             self.rows.sums_written(Part(out, None, 0, out.numel(), tables=[(id(p), 0, p.shape[0])]), union)
@@ -344,14 +343,15 @@ class GradientReducer:
             p.grad.copy_(out.view(p.grad.shape))
 
 
+def _in_place(g: torch.Tensor | None) -> bool:
+    """Whether a gradient can be summed where it is: a dense, contiguous CPU tensor."""
+    return g is not None and not g.is_sparse and g.device.type == "cpu" and g.is_contiguous()
+
+
 def _own_gradient(b: _Bucket) -> torch.Tensor | None:
     """The flat view of a one-parameter bucket's gradient, if it can be summed in place."""
-    if len(b.params) != 1:
-        return None
-    g = b.params[0].grad
-    if g is None or g.is_sparse or g.device.type != "cpu" or not g.is_contiguous():
-        return None
-    return g.view(-1)
+    g = b.params[0].grad if len(b.params) == 1 else None
+    return g.view(-1) if g is not None and _in_place(g) else None
 
 
 def _flat(p: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from omnireduce.dtypes import DType, from_accumulator
 from omnireduce.errors import ConfigError, OmniReduceError, ProtocolError
 from omnireduce.layout import INF, Layout
 from omnireduce.protocol import (
+    Abort,
     Blocks,
     Bye,
     Error,
@@ -177,7 +178,7 @@ class Engine:
             return self._on_bye(peer, msg)
         if isinstance(msg, Heartbeat):  # answered whatever the aggregator's own heartbeats
             return [] if msg.reply else [(peer, _HEARTBEAT_REPLY)]
-        if not isinstance(msg, (Hello, Start, Blocks)):
+        if not isinstance(msg, (Hello, Start, Blocks, Abort)):
             err = Refused(ErrorCode.PROTOCOL, f"{msg.TYPE.name} is not a message a worker may send")
             return self._refuse(peer, msg.job, None, err)
         try:
@@ -189,8 +190,12 @@ class Engine:
         key = (msg.job, msg.op)
         failed = self._failed.get(key)
         if failed is not None and failed[0] == job.generation:
+            if isinstance(msg, Abort):
+                return []  # every rank refused it, or it failed otherwise: nothing more to tell
             _, code, message, ranks = failed
             return [(peer, encode(Error(key[0], key[1], code, message, ranks)))]
+        if isinstance(msg, Abort):
+            return self._on_abort(key, msg)
         try:
             if isinstance(msg, Start):
                 return self._on_start(peer, job, msg, body, owned)
@@ -253,6 +258,11 @@ class Engine:
                 out += self._fail_op((j.name, o), ErrorCode.PEER_LOST, f"rank {rank} {reason}", [rank])
             self._drop_if_idle(j)
         return out
+
+    def _on_abort(self, key: tuple[str, int], msg: Abort) -> list[Outgoing]:
+        # The op may not have begun here yet: its tombstone answers the other ranks' STARTs.
+        reason = msg.reason or "no reason given"
+        return self._fail_op(key, ErrorCode.REFUSED, f"rank {msg.rank} refused the op: {reason}", [msg.rank])
 
     def _on_hello(self, peer: bytes, msg: Hello) -> list[Outgoing]:
         j, stale = self._jobs.hello(peer, msg)

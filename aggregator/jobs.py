@@ -19,7 +19,7 @@ import numpy as np
 from aggregator.connections import issued_before
 from aggregator.limits import Limits
 from omnireduce.errors import OmniReduceError
-from omnireduce.protocol import Blocks, ErrorCode, Hello, Start
+from omnireduce.protocol import Abort, Blocks, ErrorCode, Hello, Start
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,8 @@ class Jobs:
                 del self._bindings[peer]
             raise
 
-    def admit(self, peer: bytes, msg: Start | Blocks) -> Job:
-        """The job of a START or BLOCKS, once sure the connection may speak for the message's rank.
+    def admit(self, peer: bytes, msg: Start | Blocks | Abort) -> Job:
+        """The job of a START, BLOCKS or ABORT, once sure the connection may speak for the message's rank.
 
         Raises:
             Refused: the connection is not (or no longer) bound to that rank of the job.
@@ -180,7 +180,7 @@ class Jobs:
         if b is None:
             # A connection without HELLO (an old-style client) may only use a job without a token.
             if j is None:
-                if isinstance(msg, Blocks):
+                if not isinstance(msg, Start):
                     raise Refused(ErrorCode.UNKNOWN_OP, "no such op in flight", msg.op, [msg.rank])
                 self._check_room(peer, msg.job)
                 j = self._new_job(msg.job, b"", 0, msg.world_size)

@@ -20,6 +20,7 @@ __all__ = [
     "LimitError",
     "StaleGenerationError",
     "PeerLostError",
+    "PeerRefusedError",
     "ConnectionLostError",
     "AuthError",
     "WorkerClosedError",
@@ -94,6 +95,12 @@ class PeerLostError(OpError, ConnectionError):
     """Another worker of the job disconnected or stopped answering; ``ranks`` names it.
 
     The op cannot complete: restart the job (a new generation) from a checkpoint.
+    """
+
+
+class PeerRefusedError(OpError, ValueError):
+    """A worker of the op refused it before sending any of it: its arguments failed a check
+    on its side (there it raised that check's error). ``ranks`` names it; the message says why.
     """
 
 

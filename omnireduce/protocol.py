@@ -22,6 +22,10 @@ Then, per op (job id + op number) and stream::
       ...                                     until every column's instruction is INF
               <-  ERROR   (whenever an op or job fails; names job, op, ranks)
 
+A worker that numbered an op but refuses to send it (its arguments failed a check on
+its side) sends ABORT instead of START: the op fails on every rank (ERROR of code
+REFUSED, naming that rank and why), and the op numbers of all ranks stay in step.
+
 An op whose layout has one row of blocks (``num_blocks <= num_columns``: every rows
 op, and any tensor of at most ``streams x message_blocks`` blocks) may be *eager*:
 every column then holds at most one block, so round 0's instruction is exactly each
@@ -72,6 +76,8 @@ __all__ = [
     "Result",
     "Error",
     "Heartbeat",
+    "Abort",
+    "MAX_REASON",
     "Message",
     "encode",
     "decode",
@@ -99,7 +105,8 @@ assert sys.byteorder == "little", "omnireduce's wire format assumes a little-end
 #: in ranges: the messages are the same, but a shard of 5 would sum other rows than one of 6.
 #: 7: HEARTBEAT messages (instead of ZeroMQ's heartbeats; every one answered, except answers)
 #: and the DROPPED error code.
-PROTOCOL_VERSION = 7
+#: 8: ABORT messages and the REFUSED error code.
+PROTOCOL_VERSION = 8
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
 MAX_HEADER_BYTES = 4096
@@ -110,6 +117,8 @@ MAX_NAME = 256
 #: No job can have more workers than this, whatever the aggregator allows.
 MAX_WORLD_SIZE = 1 << 16
 _MAX_MESSAGE = 4096
+#: Longest reason of an ABORT, in characters (its header stays within MAX_HEADER_BYTES).
+MAX_REASON = 512
 
 
 class MsgType(IntEnum):
@@ -122,6 +131,7 @@ class MsgType(IntEnum):
     HELLO = 5
     BYE = 6
     HEARTBEAT = 7
+    ABORT = 8
 
 
 class ErrorCode(IntEnum):
@@ -143,6 +153,9 @@ class ErrorCode(IntEnum):
     #: The aggregator heard nothing from this connection for its heartbeat timeout and
     #: dropped it (op None): the worker's ops on it failed; it connects anew for the next ones.
     DROPPED = 10
+    #: A rank refused the op before sending any of it (its arguments failed a check there,
+    #: see ABORT): the op fails on every rank, naming that rank and why.
+    REFUSED = 11
 
 
 @dataclass(slots=True)
@@ -288,8 +301,27 @@ class Heartbeat:
     reply: bool | None = None
 
 
-Message = Hello | Bye | Start | Blocks | Result | Error | Heartbeat
-_CLASSES: dict[int, type] = {c.TYPE: c for c in (Hello, Bye, Start, Blocks, Result, Error, Heartbeat)}
+@dataclass(slots=True)
+class Abort:
+    """A worker gives up an op it numbered but will not send: its arguments failed a check
+    on its side (``reason``, at most MAX_REASON characters).
+
+    The aggregator fails the op on every rank with REFUSED, naming this rank and the
+    reason: the other ranks raise at once instead of at their timeout, and every rank's
+    op numbers stay in step (the op took its number everywhere). An ABORT of an op that
+    already failed changes nothing (each rank of an op that every rank refused sends one).
+    No frames; no answer.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.ABORT
+    job: str
+    rank: int
+    op: int
+    reason: str
+
+
+Message = Hello | Bye | Start | Blocks | Result | Error | Heartbeat | Abort
+_CLASSES: dict[int, type] = {c.TYPE: c for c in (Hello, Bye, Start, Blocks, Result, Error, Heartbeat, Abort)}
 _FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {
     c: tuple((f.name, f.type) for f in fields(c)) for c in _CLASSES.values()
 }
@@ -465,7 +497,7 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
         raise ProtocolError(f"{cls.__name__} header: missing fields {missing}, unexpected fields {_short(extra)}")
     _check_str("job", header["job"], MAX_NAME, empty=False)
     for name in names:
-        if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager", "reply"):
+        if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager", "reply", "reason"):
             continue
         optional = (cls is Error and name == "op") or (cls is Start and name == "stream") or name == "stream_count"
         _check_int(name, header[name], optional=optional)
@@ -473,6 +505,8 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
             raise ProtocolError("header field 'stream_count' must be positive")
     if cls is Hello:
         _check_str("token", header["token"], MAX_NAME, empty=True)
+    if cls is Abort:
+        _check_str("reason", header["reason"], MAX_REASON, empty=True)
     if cls is Start and header["dtype"] not in _DTYPES:
         raise ProtocolError(f"unknown dtype code {_short(header['dtype'])}")
     if cls in (Start, Hello):

@@ -13,7 +13,7 @@ from aggregator.opstate import positions, union_sorted
 from omnireduce.dtypes import DType, from_accumulator, to_accumulator
 from omnireduce.errors import ConfigError, OmniReduceError
 from omnireduce.layout import Layout
-from omnireduce.protocol import Blocks, Error, ErrorCode, Hello, Result, Start, decode, encode
+from omnireduce.protocol import Abort, Blocks, Error, ErrorCode, Hello, Result, Start, decode, encode
 from tests.helpers import error_replies, errors_by_peer, peer_of, run_allreduce, sparse, start_frames, wire
 from worker.op import WorkerOp, lazy_zeros
 
@@ -96,6 +96,43 @@ def test_length_mismatch_fails_every_worker_of_the_op() -> None:
     # The daemon goes on: the next op works.
     outs, _, _ = run_allreduce([np.ones(10, np.float32)] * 3, DType.FLOAT32, op=1, engine=engine)
     np.testing.assert_array_equal(outs[0], np.full(10, 3, np.float32))
+
+
+def test_abort_fails_the_op_on_every_rank_before_and_after_their_starts() -> None:
+    engine = Engine()
+    for r in range(3):
+        engine.handle(peer_of(r), wire(encode(Hello("j", r, 3, 0, ""))))
+    assert engine.handle(peer_of(0), _start(0, 3, 100)) == []
+    out = engine.handle(peer_of(1), wire(encode(Abort("j", 1, 0, "ConfigError: bad weight"))))
+    # Only the rank already in the op hears it now; the aborting rank needs no answer.
+    (peer, code, message), = error_replies(out)
+    assert peer == peer_of(0) and code == ErrorCode.REFUSED
+    assert message == "rank 1 refused the op: ConfigError: bad weight"
+    assert engine.active_ops == 0
+    # A rank that starts the op later is told the same; a second ABORT of it changes nothing.
+    late = errors_by_peer(engine.handle(peer_of(2), _start(2, 3, 100)))
+    assert late[peer_of(2)].code == ErrorCode.REFUSED and late[peer_of(2)].ranks == [1]
+    assert engine.handle(peer_of(2), wire(encode(Abort("j", 2, 0, "")))) == []
+    assert engine.ops_failed == 1 and engine.counters.errors == {"refused": 1}
+    # An ABORT of an op no rank began yet: every START of it is answered with the refusal.
+    engine.handle(peer_of(0), wire(encode(Abort("j", 0, 1, ""))))
+    errs = errors_by_peer(engine.handle(peer_of(1), _start(1, 3, 10, op=1)))
+    assert errs[peer_of(1)].message == "rank 0 refused the op: no reason given"
+    # The next op works.
+    outs, _, _ = run_allreduce([np.ones(10, np.float32)] * 3, DType.FLOAT32, op=2, engine=engine)
+    np.testing.assert_array_equal(outs[0], np.full(10, 3, np.float32))
+
+
+def test_abort_of_a_connection_that_may_not_speak_for_the_rank_is_refused() -> None:
+    engine = Engine()
+    engine.handle(peer_of(0), wire(encode(Hello("j", 0, 2, 0, "secret"))))
+    engine.handle(peer_of(0), _start(0, 2, 10))
+    # A stranger cannot fail the job's ops.
+    (peer, code, _), = error_replies(engine.handle(b"stranger", wire(encode(Abort("j", 1, 0, "")))))
+    assert peer == b"stranger" and code == ErrorCode.AUTH
+    # Nor can a bound connection speak for another rank.
+    (peer, code, _), = error_replies(engine.handle(peer_of(0), wire(encode(Abort("j", 1, 0, "")))))
+    assert code == ErrorCode.PROTOCOL and engine.active_ops == 1
 
 
 def test_start_for_a_job_of_another_size_is_a_mismatch() -> None:

@@ -13,7 +13,7 @@ from aggregator import Aggregator
 from aggregator.engine import Engine
 from omnireduce import blocks, kernels
 from omnireduce.dtypes import DType, from_accumulator, to_accumulator
-from omnireduce.errors import ConfigError, MismatchError, ProtocolError
+from omnireduce.errors import ConfigError, MismatchError, PeerRefusedError, ProtocolError
 from omnireduce.layout import Layout
 from omnireduce.protocol import Error, ErrorCode, Start, decode, encode
 from tests.conftest import run_ranks
@@ -249,7 +249,7 @@ def test_small_integer_types_wrap(aggregator: Aggregator) -> None:
             np.testing.assert_array_equal(out, _wrapped_sum([inputs[0][i], inputs[1][i]]))
 
 
-def test_weight_is_refused_before_the_op_is_numbered(aggregator: Aggregator) -> None:
+def test_weight_is_refused_on_the_rank_that_gives_it_and_fails_the_op_on_every_rank(aggregator: Aggregator) -> None:
     x = np.arange(-500, 500, dtype=np.int32)
     f = np.ones(1000, np.float32)
 
@@ -258,7 +258,10 @@ def test_weight_is_refused_before_the_op_is_numbered(aggregator: Aggregator) -> 
             if r == 0:
                 with pytest.raises(ConfigError, match="weight is not supported for int32"):
                     w.allreduce(x, weight=3.0)
-            # Had the refused call taken an op number, these would pair with the wrong ops.
+            else:
+                with pytest.raises(PeerRefusedError, match="rank 0 refused the op: ConfigError: weight is not"):
+                    w.allreduce(x)
+            # The refused op took its number on both ranks: these pair up.
             return w.allreduce(x), w.allreduce(f * (r + 1), weight=float(r + 1))
 
     for ints, mean in run_ranks(2, rank):
@@ -326,9 +329,9 @@ def test_sharded_integer_sums(shards: list[Aggregator]) -> None:
     def rank(r: int) -> list[np.ndarray]:
         with connect(addresses, rank=r, world_size=2, job="sharded-int", block_size=16, timeout=20,
                      shard_bytes=0) as w:
-            if r == 1:
-                with pytest.raises(ConfigError, match="weight"):
-                    w.allreduce(inputs[r][0], weight=1.0)
+            # Refused on every rank alike: the op takes its number on both shards of both.
+            with pytest.raises(ConfigError, match="weight"):
+                w.allreduce(inputs[r][0], weight=1.0)
             x = inputs[r][1].copy()
             return [w.allreduce(inputs[r][0]), w.allreduce(x, inplace=True), x]
 

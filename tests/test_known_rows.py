@@ -127,8 +127,8 @@ def test_no_mask_pass_and_only_the_rows_are_read(aggregator: Aggregator,
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_aggregator", "two_shards"])
-def test_bad_rows_are_config_errors_before_an_op_number(aggregator: Aggregator, shards: list[Aggregator],
-                                                         sharded: bool) -> None:
+def test_bad_rows_are_config_errors_on_every_rank(aggregator: Aggregator, shards: list[Aggregator],
+                                                   sharded: bool) -> None:
     address = [a.address for a in shards[:2]] if sharded else aggregator.address
     x = np.zeros((6, 2), np.float32)
     x[2] = 1.0
@@ -152,15 +152,14 @@ def test_bad_rows_are_config_errors_before_an_op_number(aggregator: Aggregator, 
 
 def _refused_then_summed(address: Any, job: str, bad: list[tuple[Any, dict[str, Any], str]], x: Any,
                          options: dict[str, Any]) -> list[Any]:
-    """Rank 0 is refused each of ``bad`` (a ConfigError matching its text), then both ranks sum
-    ``x``: no op number was taken, so that op pairs with rank 1's first. The sums."""
+    """Both ranks are refused each of ``bad`` (a ConfigError matching its text: every refusal
+    takes its op number on both), then sum ``x``, which pairs up. The sums."""
 
     def rank(r: int) -> Any:
         with connect(address, rank=r, world_size=2, job=job, **OPTS) as w:
-            if r == 0:
-                for t, kwargs, match in bad:
-                    with pytest.raises(ConfigError, match=match):
-                        w.allreduce(t, **kwargs)
+            for t, kwargs, match in bad:
+                with pytest.raises(ConfigError, match=match):
+                    w.allreduce(t, **kwargs)
             res = w.allreduce(x, **options)
             assert w.stats.ops == 1
             return res

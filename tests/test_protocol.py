@@ -9,7 +9,9 @@ import pytest
 from omnireduce.dtypes import DType
 from omnireduce.errors import ProtocolError
 from omnireduce.protocol import (
+    MAX_REASON,
     PROTOCOL_VERSION,
+    Abort,
     Blocks,
     Bye,
     Error,
@@ -48,6 +50,8 @@ MESSAGES = [
     Error("?", None, int(ErrorCode.DROPPED), "silent for 5 s", []),
     Heartbeat("job-a"),
     Heartbeat("?", reply=True),
+    Abort("job-a", 2, 11, "ConfigError: weight must be positive"),
+    Abort("j", 0, 0, ""),
 ]
 
 
@@ -126,6 +130,10 @@ def _header(**fields) -> bytes:
         ([_header(job=7)], "job"),
         ([b"\x80" * 5000], "exceeds"),
         ([msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.HEARTBEAT), "job": "j", "reply": 1})], "reply"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.ABORT), "job": "j", "rank": 0, "op": 0,
+                         "reason": 5})], "reason"),
+        ([msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.ABORT), "job": "j", "rank": 0, "op": 0,
+                         "reason": "x" * (MAX_REASON + 1)})], "reason"),
     ],
 )
 def test_bad_headers_raise_protocol_error(frames, match) -> None:

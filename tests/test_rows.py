@@ -496,12 +496,13 @@ def test_sparse_torch_sum_over_workers(aggregator: Aggregator, world: int) -> No
             assert torch.equal(t.coalesce().values(), s.coalesce().values())
 
 
-# Refusals that take no op number.
+# Refusals: each takes its op number on every rank (the others' op fails), so the ranks stay in step.
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_aggregator", "two_shards"])
-def test_inplace_and_out_are_refused_before_an_op_number(aggregator: Aggregator, two_shards: list[str],
-                                                         sharded: bool) -> None:
+def test_inplace_and_out_are_refused_on_every_rank_and_keep_them_in_step(aggregator: Aggregator,
+                                                                         two_shards: list[str],
+                                                                         sharded: bool) -> None:
     x = [SparseRows(_rows(1, 3), np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), 4),
          SparseRows(_rows(3), np.array([[10.0, 20.0]], np.float32), 4)]
     t = torch.tensor([[0.0, 1.0], [0.0, 0.0]]).to_sparse()
@@ -510,25 +511,26 @@ def test_inplace_and_out_are_refused_before_an_op_number(aggregator: Aggregator,
 
     def rank(r: int) -> tuple[SparseRows, int, int]:
         with connect(address, rank=r, world_size=2, job="refused", **OPTS) as w:
-            if r == 0:
-                with pytest.raises(ConfigError, match="inplace and out are not supported"):
-                    w.allreduce(x[0], inplace=True)
-                with pytest.raises(ConfigError, match="inplace and out are not supported"):
-                    w.allreduce_async(x[0], out=np.zeros(8, np.float32))
-                with pytest.raises(ConfigError, match="inplace and out are not supported"):
-                    w.allreduce(t, inplace=True)
-                with pytest.raises(ConfigError, match="inplace and out are not supported"):
-                    w.allreduce(t, out=np.zeros(4, np.float32))
-                with pytest.raises(ConfigError, match="weight is not supported for int64"):
-                    w.allreduce(ints, weight=2)
-                with pytest.raises(ConfigError, match="weight must be"):
-                    w.allreduce(x[0], weight=0)
+            with pytest.raises(ConfigError, match="inplace and out are not supported"):
+                w.allreduce(x[0], inplace=True)
+            with pytest.raises(ConfigError, match="inplace and out are not supported"):
+                w.allreduce_async(x[0], out=np.zeros(8, np.float32))
+            with pytest.raises(ConfigError, match="inplace and out are not supported"):
+                w.allreduce(t, inplace=True)
+            with pytest.raises(ConfigError, match="inplace and out are not supported"):
+                w.allreduce(t, out=np.zeros(4, np.float32))
+            with pytest.raises(ConfigError, match="weight is not supported for int64"):
+                w.allreduce(ints, weight=2)
+            with pytest.raises(ConfigError, match="weight must be"):
+                w.allreduce(x[0], weight=0)
             res = w.allreduce(x[r])
             return res, w.stats.ops, w.stats.last.op
 
     for res, ops, op in run_ranks(2, rank):
         assert_rows(res, x[0], _rows(1, 3), np.array([[1, 2], [13, 24]], np.float32))
-        assert ops == 1 and op == 0
+        # Only the sum ran; it took the number after the six refused ops' (on a sharded
+        # worker, op numbers in its stats count its ops, refused or not).
+        assert ops == 1 and op == 6
 
 
 # Sharded and co-located workers.

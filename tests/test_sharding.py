@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aggregator import Aggregator
-from omnireduce import ConfigError, OmniReduceError, WorkerClosedError
+from omnireduce import ConfigError, OmniReduceError, PeerRefusedError, WorkerClosedError
 from tests.helpers import run_ranks, sparse
 from worker import Allreducer, ShardedWorker, Worker, connect
 from worker.sharded import shard_bounds
@@ -460,3 +460,63 @@ def test_each_shard_cuts_eager_ops_in_its_share_of_the_pieces(shards: list[Aggre
     with connect([a.address for a in shards[:2]], rank=0, world_size=1, job="pieces", timeout=20, **SMALL) as w:
         assert w.settings.eager_pieces == EAGER_PIECES
         assert [s.settings.eager_pieces for s in w.shards] == [EAGER_PIECES // 2] * 2
+
+
+def test_a_part_refused_by_one_shard_fails_the_op_on_every_rank_and_breaks_nothing(
+    shards: list[Aggregator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's second shard refuses its part after the first shard took its own: the op
+    fails on both ranks at once (rank 1 names rank 0), and both workers go on, in step."""
+    addresses = [a.address for a in shards[:2]]
+    ws = [connect(addresses, rank=r, world_size=2, job="part-refused", timeout=30, **SMALL) for r in range(2)]
+    try:
+        real = ws[0].shards[1]._request
+        calls = [0]
+
+        def refuse_once(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise ConfigError("injected refusal")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ws[0].shards[1], "_request", refuse_once)
+        x = np.arange(1000, dtype=np.float32)
+
+        def rank(r: int) -> tuple[float, type, np.ndarray]:
+            t = time.monotonic()
+            with pytest.raises(OmniReduceError) as info:
+                ws[r].allreduce(x)
+            took = time.monotonic() - t
+            return took, type(info.value), ws[r].allreduce(x * (r + 1))
+
+        (t0, e0, y0), (t1, e1, y1) = run_ranks(2, rank)
+        assert e0 is ConfigError and e1 is PeerRefusedError and max(t0, t1) < 10
+        np.testing.assert_array_equal(y0, 3 * x)
+        np.testing.assert_array_equal(y1, 3 * x)
+    finally:
+        for w in ws:
+            w.close()
+
+
+def test_an_op_refused_before_its_split_takes_the_shards_the_others_take(shards: list[Aggregator]) -> None:
+    """Refused up front (an ``out=`` of the wrong size on rank 0 only), the op still takes its
+    number on the shards its size sends it to (two of three here), so every later op agrees."""
+    addresses = [a.address for a in shards]
+    x = np.arange(200, dtype=np.float32)  # 800 bytes: 2 shards of 400
+
+    def rank(r: int) -> tuple[type, list[np.ndarray], list[int]]:
+        with connect(addresses, rank=r, world_size=2, job="refused-up-front", timeout=30, block_size=16,
+                     message_blocks=4, streams=2, shard_bytes=400) as w:
+            bad = {"out": np.zeros(3, np.float32)} if r == 0 else {}
+            with pytest.raises(OmniReduceError) as info:
+                w.allreduce(x, **bad)
+            after = [w.allreduce(x), w.allreduce(x[:50]), w.allreduce(x)]
+            return type(info.value), after, [s.stats.ops for s in w.shards]
+
+    (e0, after0, ops0), (e1, after1, ops1) = run_ranks(2, rank)
+    assert e0 is ConfigError and e1 is PeerRefusedError
+    for y in (after0, after1):
+        for got, want in zip(y, [2 * x, 2 * x[:50], 2 * x], strict=True):
+            np.testing.assert_array_equal(got, want)
+    # The refused op took shards 0 and 1, then 2+0, 1, 2+0; the shards count the ops that ran.
+    assert ops0 == ops1 == [2, 1, 2]

@@ -159,6 +159,24 @@ def test_ranks_that_disagree_on_a_tracked_table_fail_on_every_rank(agg, tmp_path
         assert res["state_error"] == "MismatchError"
 
 
+def test_a_bucket_refused_on_one_rank_fails_the_step_at_once_on_every_rank(agg, tmp_path) -> None:
+    # Rank 0's worker refuses its first bucket of step 1 (the op timeout is 60 s): rank 0's hook
+    # fails that bucket without raising, so DDP hands it the bucket after it (the embedding
+    # table's), which it refuses too; rank 1's buckets both fail at once, and both ranks' ops
+    # stay in step.
+    results = run_procs("ddp_refusal_case", 2, tmp_path, agg.address)
+    for rank, res in enumerate(results):
+        assert len(res["errors"]) == 1, (rank, res)
+        step, message, took = res["errors"][0]
+        assert step == 1 and took < 10, (rank, step, took)
+        assert "omnireduce allreduce of DDP bucket" in message, message
+        if rank == 0:
+            assert "ConfigError: weight must be" in message and "ConfigError" in res["state_error"]
+        else:
+            assert "PeerRefusedError" in message or "skipped after an earlier failure" in message, message
+        torch.testing.assert_close(res["after"], torch.full((4,), 3.0))
+
+
 def test_hook_traffic_is_a_fraction_of_dense(agg, tmp_path) -> None:
     (res, _) = run_procs("ddp_case", 2, tmp_path, agg.address, "traffic")
     stats = res["stats"]

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -76,6 +77,22 @@ def test_failed_collectives_raise_on_every_rank(agg, tmp_path) -> None:
             assert len(res[name]) == 1, (rank, name, res[name])
             step, message = res[name][0]
             assert step == 2 and what in message and "MismatchError" in message, (rank, name, message)
+
+
+def test_arguments_refused_on_one_rank_fail_the_collective_at_once_on_every_rank(agg, tmp_path) -> None:
+    # Rank 1's arguments are wrong, the op timeout is 60 s: rank 1 raises its refusal in the
+    # call, as gloo does, and rank 0 a CollectiveError naming rank 1 and why, both at once.
+    results = run_procs("refusal_case", 2, tmp_path, agg.address)
+    names = ["all_reduce", "all_reduce_max", "all_gather", "all_gather_into_tensor", "gather", "reduce_scatter",
+             "all_to_all_single"]
+    for name in names:
+        (kind0, text0, took0), (kind1, text1, took1) = (res[name] for res in results)
+        assert kind1 == "CollectiveError" and "PeerRefusedError" not in text1, (name, text1)
+        assert kind0 == "CollectiveError" and "PeerRefusedError" in text0, (name, text0)
+        assert "rank 1 refused the op: CollectiveError: " in text0, (name, text0)
+        assert max(took0, took1) < 10, (name, took0, took1)
+    for res in results:
+        torch.testing.assert_close(res["after"], torch.full((4,), 3.0))
 
 
 def test_a_groups_timeout_bounds_its_ops_unless_omnireduce_timeout_is_set(agg, tmp_path) -> None:
@@ -178,11 +195,16 @@ def test_gather_outputs_of_another_dtype_or_size_are_refused() -> None:
 
     class NoWorker:
         job = "none"
+        refused: list[tuple[str, int]] = []
 
         def allreduce_async(self, *args: object, **kwargs: object) -> None:
             raise AssertionError("refused before any op")
 
-    group = OmniReduceProcessGroup(0, 2, NoWorker())  # type: ignore[arg-type]
+        def refuse(self, error: BaseException, x: torch.Tensor) -> None:
+            self.refused.append((str(error), x.numel() * x.element_size()))
+
+    worker = NoWorker()
+    group = OmniReduceProcessGroup(0, 2, worker)  # type: ignore[arg-type]
     x = torch.ones(4)
     for bad in (torch.zeros(4, dtype=torch.int32), torch.zeros(3)):
         with pytest.raises(CollectiveError, match="does not match"):
@@ -190,9 +212,30 @@ def test_gather_outputs_of_another_dtype_or_size_are_refused() -> None:
         opts = _gather_options(0)
         with pytest.raises(CollectiveError, match="does not match"):
             group.gather([[torch.zeros(4), bad]], [x], opts)
+    # Each refusal numbered the one op the collective sends (2 ranks x 16 bytes) on this rank.
+    assert [n for _, n in worker.refused] == [32] * 4 and "does not match" in worker.refused[0][0]
 
 
 def _gather_options(root: int) -> object:
     opts = torch.distributed.GatherOptions()
     opts.rootRank = root
     return opts
+
+
+def test_wait_with_a_timeout_raises_while_the_collective_runs_and_not_after() -> None:
+    from concurrent.futures import Future
+    from datetime import timedelta
+
+    from worker.backend import CollectiveError, OmniReduceWork
+
+    part: Future = Future()
+    t = torch.zeros(3)
+    work = OmniReduceWork([(part, lambda out: t.copy_(out))], [t], "all_reduce of (3,) float32")
+    start = time.monotonic()
+    with pytest.raises(CollectiveError, match=r"did not complete within 0.2 s"):
+        work.wait(timedelta(seconds=0.2))
+    assert 0.19 <= time.monotonic() - start < 5 and not work.is_completed()
+    part.set_result(torch.ones(3))  # it went on, and completes
+    # torch's C++ callers pass 0 for no timeout.
+    assert work.wait(timedelta(0)) and work.wait(timedelta(seconds=1)) and work.is_success()
+    torch.testing.assert_close(t, torch.ones(3))

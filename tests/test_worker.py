@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from aggregator import Aggregator
-from omnireduce import ConfigError, MismatchError, OmniReduceError, OpTimeoutError, WorkerClosedError
+from omnireduce import (
+    ConfigError,
+    MismatchError,
+    OmniReduceError,
+    OpTimeoutError,
+    PeerRefusedError,
+    WorkerClosedError,
+)
 from tests.helpers import run_ranks, sparse
 from worker import Worker
 
@@ -235,23 +242,22 @@ def test_dense_and_auto_modes_are_exact_and_pick_by_density(aggregator: Aggregat
         Worker(aggregator.address, rank=0, world_size=1, mode="fast")
 
 
-def test_refused_calls_and_cancelled_futures_keep_the_ranks_in_step(aggregator: Aggregator) -> None:
-    """Whatever fails or is cancelled, the op numbers of the ranks stay aligned."""
+def test_calls_refused_on_every_rank_and_cancelled_futures_keep_the_ranks_in_step(aggregator: Aggregator) -> None:
+    """Whatever fails on every rank alike, or is cancelled, the op numbers of the ranks stay aligned."""
     x = np.arange(1000, dtype=np.float32)
 
     def rank(r: int) -> np.ndarray:
         with Worker(aggregator.address, rank=r, world_size=2, job="in-step", timeout=20, mode="auto") as w:
-            if r == 0:
-                with pytest.raises(ConfigError, match="hashable"):
-                    w.allreduce(x, key=["bucket", 0])
-                with pytest.raises(ConfigError, match="together"):
-                    w.allreduce(x.copy(), inplace=True, out=np.zeros(1000, np.float32))
-                frozen = x.copy()
-                frozen.flags.writeable = False
-                with pytest.raises(ConfigError, match="writeable"):
-                    w.allreduce(frozen, inplace=True)
-                with pytest.raises(ConfigError, match="out must be"):
-                    w.allreduce(x, out=np.zeros(3, np.float32))
+            with pytest.raises(ConfigError, match="hashable"):
+                w.allreduce(x, key=["bucket", 0])
+            with pytest.raises(ConfigError, match="together"):
+                w.allreduce(x.copy(), inplace=True, out=np.zeros(1000, np.float32))
+            frozen = x.copy()
+            frozen.flags.writeable = False
+            with pytest.raises(ConfigError, match="writeable"):
+                w.allreduce(frozen, inplace=True)
+            with pytest.raises(ConfigError, match="out must be"):
+                w.allreduce(x, out=np.zeros(3, np.float32))
             # A cancelled op still runs (the other rank waits for it); its result goes nowhere.
             f = w.allreduce_async(x)
             f.cancel()
@@ -259,6 +265,37 @@ def test_refused_calls_and_cancelled_futures_keep_the_ranks_in_step(aggregator: 
 
     for y in run_ranks(2, rank):
         np.testing.assert_array_equal(y, x * 4)
+
+
+def test_a_call_refused_on_one_rank_fails_at_once_on_every_rank_and_keeps_them_in_step(
+    aggregator: Aggregator,
+) -> None:
+    """Bad arguments on one rank: that rank raises their error, the others a PeerRefusedError
+    naming it and why, long before their timeout; the next ops pair up as before."""
+    x = np.arange(1000, dtype=np.float32)
+
+    def rank(r: int) -> tuple[float, str, np.ndarray]:
+        with Worker(aggregator.address, rank=r, world_size=3, job="one-refuses", timeout=30) as w:
+            t = time.monotonic()
+            if r == 1:
+                with pytest.raises(ConfigError, match="weight must be"):
+                    w.allreduce(x, weight=-2.0)
+                text = ""
+            else:
+                with pytest.raises(PeerRefusedError) as info:
+                    w.allreduce(x, weight=1.0)
+                assert info.value.ranks == (1,) and info.value.op == 0
+                text = str(info.value)
+            took = time.monotonic() - t
+            return took, text, w.allreduce(x * (r + 1))
+
+    results = run_ranks(3, rank)
+    for r, (took, text, y) in enumerate(results):
+        assert took < 5, (r, took)
+        np.testing.assert_array_equal(y, x * 6)
+        if r != 1:
+            assert "rank 1 refused the op: ConfigError: weight must be" in text, text
+    assert aggregator.engine.counters.errors.get("refused") == 1
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "30"])

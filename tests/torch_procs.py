@@ -460,15 +460,27 @@ class ShortAt:
         self._at = at
         self._ops = 0
 
+    def _spoil(self, x: Any, options: dict[str, Any]) -> Any:
+        options.pop("inplace", None)
+        return x.detach().reshape(-1)[:-1].clone()
+
     def allreduce_async(self, x: Any, **options: Any) -> Any:
         n, self._ops = self._ops, self._ops + 1
         if n == self._at:
-            options.pop("inplace", None)
-            x = x.detach().reshape(-1)[:-1].clone()
+            x = self._spoil(x, options)
         return self._worker.allreduce_async(x, **options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._worker, name)
+
+
+class RefuseAt(ShortAt):
+    """Fault injector around a worker: this rank's op number ``at`` is given a negative weight,
+    which its worker refuses (a ConfigError here; the op is failed on every rank)."""
+
+    def _spoil(self, x: Any, options: dict[str, Any]) -> Any:
+        options["weight"] = -1.0
+        return x
 
 
 class WiderAt:
@@ -873,3 +885,71 @@ def rows_disagree_case(rank: int, world: int, address: str, mode: str = "sparse"
         rows = state.rows
         assert rows is not None
         return {"error": error, "dropped": list(rows.dropped), "state_error": type(state.error).__name__}
+
+
+def refusal_case(rank: int, world: int, address: str) -> dict[str, Any]:
+    """Collectives whose arguments only rank 1 gets wrong, on a group whose op timeout is long:
+    what every rank raises, how fast, and whether the group works afterwards.
+
+    Returns {name: (exception type, text, seconds)} and "after": an all_reduce's result.
+    """
+    os.environ["OMNIREDUCE_ADDRESS"] = address
+    os.environ["OMNIREDUCE_TIMEOUT"] = "60"
+    group = dist.new_group(backend="omnireduce")
+    bad = rank == 1
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        start = time.monotonic()
+        try:
+            fn()
+            out[name] = (None, "", time.monotonic() - start)
+        except Exception as e:  # noqa: BLE001 - the test checks type and text
+            out[name] = (type(e).__name__, str(e), time.monotonic() - start)
+
+    x = torch.arange(4, dtype=torch.float32)
+    attempt("all_reduce", lambda: dist.all_reduce(x.bool() if bad else x.clone(), group=group))
+    attempt("all_reduce_max", lambda: dist.all_reduce(x.to_sparse() if bad else x.clone(), op=dist.ReduceOp.MAX,
+                                                      group=group))
+    attempt("all_gather", lambda: dist.all_gather([torch.zeros(4) for _ in range(world - bad)], x, group=group))
+    attempt("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(
+        torch.zeros(4 * world + bad), x, group=group))
+    # The root's outputs are of another size (torch itself checks their dtype, not their size).
+    outs = [torch.zeros(3) for _ in range(world)] if bad else None
+    attempt("gather", lambda: dist.gather(x, outs, dst=1, group=group))
+    attempt("reduce_scatter", lambda: dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2 * world + bad),
+                                                                 group=group))
+    splits = [1, 2] if bad else [2, 2]  # rank 1's do not add up to its 4 rows
+    attempt("all_to_all_single", lambda: dist.all_to_all_single(torch.zeros(4), x, input_split_sizes=splits,
+                                                                output_split_sizes=[2, 2], group=group))
+    ok = torch.ones(4) * (rank + 1)
+    dist.all_reduce(ok, group=group)
+    out["after"] = ok
+    return out
+
+
+def ddp_refusal_case(rank: int, world: int, address: str) -> dict[str, Any]:
+    """DDP with the hook and many buckets, a 60 s op timeout: at step 1 rank 0's worker refuses
+    that rank's first bucket. What each rank's backward raises and how fast, and whether the
+    ranks' next ops pair up."""
+    from worker import Worker
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    torch.manual_seed(0)
+    model = DDP(ClickModel(), bucket_cap_mb=0.001)
+    with Worker(address, rank=rank, world_size=world, job=f"ddp-refusal-{world}", timeout=60) as w:
+        state = OmniReduceState(w)
+        model.register_comm_hook(state, omnireduce_hook)
+        errors = []
+        for step in range(3):
+            if step == 1 and rank == 0:
+                state.worker = RefuseAt(w, at=0)
+            model.zero_grad()
+            start = time.monotonic()
+            try:
+                _loss(model, rank, step).backward()
+            except RuntimeError as e:
+                errors.append((step, str(e), time.monotonic() - start))
+                break
+        after = w.allreduce(torch.ones(4) * (rank + 1))
+        return {"errors": errors, "state_error": repr(state.error), "buckets": state.buckets, "after": after}

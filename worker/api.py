@@ -60,6 +60,11 @@ class Allreducer(Protocol):
         """Sums ``x`` over all workers of the job and returns the result."""
         ...
 
+    def refuse(self, error: BaseException, x: Any = None, **options: Any) -> None:
+        """Takes the number of an op this rank will not send (``x``: what it would have
+        summed, if known) and fails that op on every rank, naming ``error``."""
+        ...
+
     def close(self) -> None:
         """Stops the worker; pending ops fail with WorkerClosedError."""
         ...

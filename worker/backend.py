@@ -22,6 +22,11 @@ Every failure of a collective (a mismatch between ranks, a timeout, a lost
 peer, a refusal) fails its ``Work``: ``wait()``, the future's ``wait()`` and
 ``value()``, and so ``dist.all_reduce`` and DDP's backward raise
 :class:`CollectiveError` on every rank, and the tensor is left as it was.
+Arguments that a rank refuses (a dtype, a reduction or an output that does not
+fit) raise :class:`CollectiveError` in its call, as gloo's do, and fail the
+collective on the other ranks at once, naming that rank and why
+(:meth:`worker.client.Worker.refuse`), instead of at their timeout; every rank's
+later collectives then pair up as before.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -78,6 +83,12 @@ def _failed(error: BaseException) -> ConcurrentFuture:
     return failed
 
 
+def _sized(nbytes: int) -> torch.Tensor:
+    """A tensor of ``nbytes`` bytes that holds none (a meta tensor): the size of an op that is
+    refused, for a sharded worker to number it on the shards that the other ranks' op takes."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat uint8 tensor (a copy where ``t`` is not contiguous)."""
     flat = t.detach().contiguous().reshape(-1)
@@ -108,6 +119,8 @@ def _splits(sizes: list[int], rows: int, world: int, what: str, side: str) -> li
 def _check_reducible(t: torch.Tensor, op: Any, what: str, name: str) -> None:
     """Refuses a reduction the backend does not do (``name``: the collective asked)."""
     if op in _GATHERED:
+        if t.is_sparse:
+            raise CollectiveError(f"{what}: only SUM and AVG take sparse tensors")
         return
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         raise CollectiveError(f"the omnireduce backend's {name} does not support {op}")
@@ -167,6 +180,7 @@ class OmniReduceWork(dist._Work):
         self._left = len(parts)
         self._error: CollectiveError | None = None
         self._lock = threading.Lock()
+        self._settled = threading.Event()
         if not parts:
             self._settle()
         for i, (src, _) in enumerate(parts):
@@ -210,6 +224,7 @@ class OmniReduceWork(dist._Work):
                 self._error = CollectiveError(f"omnireduce {self._what} failed: {type(e).__name__}: {e}")
                 self._error.__cause__ = e
         self._parts, self._results = [], []
+        self._settled.set()
         if self._error is not None:
             self._result.fail(self._error)
         else:
@@ -219,8 +234,15 @@ class OmniReduceWork(dist._Work):
         """Waits for the collective; raises :class:`CollectiveError` if it failed.
 
         Args:
-            timeout: ignored: the group's op timeout (see :func:`_timeout_of`) bounds every op.
+            timeout: how long to wait at most (None or 0: until the collective ends, which the
+                group's op timeout bounds, see :func:`_timeout_of`). A collective still running
+                then raises :class:`CollectiveError` here, as torch's works do, and goes on: its
+                tensors are written if it completes, and a later ``wait()`` says how it ended.
         """
+        seconds = None if timeout is None else timeout.total_seconds()
+        if seconds is not None and seconds > 0 and not self._settled.wait(seconds):
+            raise CollectiveError(f"omnireduce {self._what} did not complete within {seconds:g} s (the timeout "
+                                  "given to wait()); it goes on")
         try:
             self._result.future.wait()
         except Exception:
@@ -322,14 +344,40 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         except OmniReduceError as e:
             return _failed(e)
 
+    def _refuse(self, error: CollectiveError, ops: list[torch.Tensor]) -> NoReturn:
+        """Raises ``error``, this rank's refusal of a collective's arguments, once the ops the
+        collective would have sent are failed on every rank (the other ranks raise at once,
+        naming this rank, and their later ops keep their numbers in step).
+
+        Args:
+            error: why.
+            ops: one entry per op the collective sends when its arguments are good: what it
+                would have summed, or a tensor of its size (:func:`_sized`).
+        """
+        for x in ops:
+            self.worker.refuse(error, x)
+        raise error
+
+    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """The size of the op that gathers every rank's bytes of ``t`` (:meth:`_gather_values`)."""
+        return _sized(self._world * t.numel() * t.element_size())
+
+    def _wire(self, t: torch.Tensor, op: Any) -> torch.Tensor:
+        """What the op that reduces ``t`` with ``op`` sums (or its size)."""
+        return self._gathered(t) if op in _GATHERED else t
+
     # all_reduce
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = _op_type(opts)
         what = f"all_reduce ({op.name if hasattr(op, 'name') else op}) of {_describe(tensors)}"
-        for t in tensors:
-            if t.device.type != "cpu":
-                raise CollectiveError(f"the omnireduce backend supports CPU tensors, not {t.device} ({what})")
+        try:
+            for t in tensors:
+                if t.device.type != "cpu":
+                    raise CollectiveError(f"the omnireduce backend supports CPU tensors, not {t.device} ({what})")
+                _check_reducible(t, op, what, "all_reduce")
+        except CollectiveError as e:
+            self._refuse(e, [self._wire(t, op) for t in tensors])
         return self._work([self._reduced(t, op, what, "all_reduce") for t in tensors], tensors, what)
 
     def _reduced(self, t: torch.Tensor, op: Any, what: str,
@@ -366,8 +414,6 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         return self._submit(t, what, weight=weight), finish
 
     def _gathered_reduce(self, t: torch.Tensor, op: Any, what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
-        if t.is_sparse:
-            return _failed(ConfigError(f"{what}: only SUM and AVG take sparse tensors")), lambda _out: None
         src, n = self._gather_values(t)
         reduce = _GATHERED[op]
 
@@ -416,11 +462,16 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts: Any = None) -> Any:
         what = f"all_gather of {_describe(input_tensors)}"
+        try:
+            _same_count(output_tensors, input_tensors, what)
+            for outs, t in zip(output_tensors, input_tensors, strict=True):
+                if len(outs) != self._world:
+                    raise CollectiveError(f"all_gather needs {self._world} output tensors, got {len(outs)}")
+                self._check_outputs(outs, t, what)
+        except CollectiveError as e:
+            self._refuse(e, [self._gathered(t) for t in input_tensors])
         parts = []
         for outs, t in zip(output_tensors, input_tensors, strict=True):
-            if len(outs) != self._world:
-                raise CollectiveError(f"all_gather needs {self._world} output tensors, got {len(outs)}")
-            self._check_outputs(outs, t, what)
             src, n = self._gather_values(t)
 
             def finish(out: torch.Tensor, outs: list[torch.Tensor] = outs, n: int = n) -> None:
@@ -432,12 +483,20 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
+        what = f"all_gather_into_tensor of {_describe(inputs)}"
+        try:
+            _same_count(outputs, inputs, what)
+            for o, i in zip(outputs, inputs, strict=True):
+                if o.numel() != i.numel() * self._world:
+                    raise CollectiveError(f"{what}: an output of {_describe([o])} does not hold {self._world} "
+                                          f"inputs of {_describe([i])}")
+        except CollectiveError as e:
+            self._refuse(e, [self._gathered(t) for t in inputs])
         outs = [list(o.view(self._world, *i.shape).unbind(0)) for o, i in zip(outputs, inputs, strict=True)]
         return self.allgather(outs, inputs, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        outs = list(output.view(self._world, *input.shape).unbind(0))
-        return self.allgather([outs], [input], opts)
+        return self.allgather_into_tensor_coalesced([output], [input], opts)
 
     # torch 2.13's names (dist.all_gather_into_tensor, reduce_scatter_tensor and their
     # coalesced forms); the inherited ones look for a backend by device and find none.
@@ -457,19 +516,23 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                             opts: Any = None) -> Any:
         # output_lists[r][i]: rank r's tensor i.
         if len(output_lists) != self._world:
-            raise CollectiveError(f"all_gather_coalesced needs {self._world} output lists, got {len(output_lists)}")
+            self._refuse(CollectiveError(f"all_gather_coalesced needs {self._world} output lists, got "
+                                         f"{len(output_lists)}"), [self._gathered(t) for t in inputs])
         return self.allgather([[outs[i] for outs in output_lists] for i in range(len(inputs))], inputs, opts)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         what = f"gather to rank {root} of {_describe(input_tensors)}"
-        if self._rank == root and (len(output_tensors) != len(input_tensors)
-                                   or any(len(outs) != self._world for outs in output_tensors)):
-            raise CollectiveError(f"{what}: the root needs {self._world} output tensors per input")
-        if self._rank == root:
-            for outs, t in zip(output_tensors, input_tensors, strict=True):
-                self._check_outputs(outs, t, what)
+        try:
+            if self._rank == root and (len(output_tensors) != len(input_tensors)
+                                       or any(len(outs) != self._world for outs in output_tensors)):
+                raise CollectiveError(f"{what}: the root needs {self._world} output tensors per input")
+            if self._rank == root:
+                for outs, t in zip(output_tensors, input_tensors, strict=True):
+                    self._check_outputs(outs, t, what)
+        except CollectiveError as e:
+            self._refuse(e, [self._gathered(t) for t in input_tensors])
         parts = []
         for i, t in enumerate(input_tensors):
             src, n = self._gather_values(t)
@@ -486,12 +549,14 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                 opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         what = f"scatter from rank {root} of {_describe(output_tensors)}"
+        if self._rank == root and (len(input_tensors) != len(output_tensors)
+                                   or any(len(ins) != self._world for ins in input_tensors)):
+            self._refuse(CollectiveError(f"{what}: the root needs {self._world} input tensors per output"),
+                         [self._gathered(t) for t in output_tensors])
         parts = []
         for i, t in enumerate(output_tensors):
             n = _bytes_of(t).numel()
             if self._rank == root:
-                if len(input_tensors[i]) != self._world:
-                    raise CollectiveError(f"{what}: the root needs {self._world} input tensors")
                 values = torch.cat([_bytes_of(x) for x in input_tensors[i]]).clone()
             else:
                 values = torch.zeros(n * self._world, dtype=torch.uint8)
@@ -522,31 +587,50 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         # every rank receives the whole sum (the aggregator has no per-rank result).
         op = _op_type(opts)
         what = f"reduce_scatter ({getattr(op, 'name', op)}) of {_describe(output_tensors)}"
-        _same_count(output_tensors, input_tensors, what)
-        pairs = []
-        for out, ins in zip(output_tensors, input_tensors, strict=True):
-            if len(ins) != self._world:
-                raise CollectiveError(f"reduce_scatter needs {self._world} input tensors, got {len(ins)}")
-            if any(i.dtype != out.dtype or i.numel() != out.numel() for i in ins):
-                raise CollectiveError(f"{what}: every input must have the output's dtype and size, got "
-                                      f"{_describe(ins)}")
-            pairs.append((out, torch.cat([_dense(i, what).reshape(-1) for i in ins])))
+        try:
+            _same_count(output_tensors, input_tensors, what)
+            for out, ins in zip(output_tensors, input_tensors, strict=True):
+                if len(ins) != self._world:
+                    raise CollectiveError(f"reduce_scatter needs {self._world} input tensors, got {len(ins)}")
+                if any(i.dtype != out.dtype or i.numel() != out.numel() for i in ins):
+                    raise CollectiveError(f"{what}: every input must have the output's dtype and size, got "
+                                          f"{_describe(ins)}")
+                for i in ins:
+                    _dense(i, what)
+        except CollectiveError as e:
+            self._refuse(e, self._scattered(output_tensors, op))
+        pairs = [(out, torch.cat([i.reshape(-1) for i in ins]))
+                 for out, ins in zip(output_tensors, input_tensors, strict=True)]
         return self._scatter_all(pairs, op, what)
+
+    def _scattered(self, outputs: list[torch.Tensor], op: Any) -> list[torch.Tensor]:
+        """The sizes of the ops of a reduce_scatter into ``outputs``."""
+        return [self._wire(_sized(self._world * o.numel() * o.element_size()).view(o.dtype), op) for o in outputs]
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op = _op_type(opts)
         what = f"reduce_scatter_tensor ({getattr(op, 'name', op)}) of {_describe([input])}"
-        if input.numel() != output.numel() * self._world:
-            raise CollectiveError(f"{what}: the input needs {self._world} x the output's {output.numel()} elements")
+        try:
+            if input.numel() != output.numel() * self._world:
+                raise CollectiveError(f"{what}: the input needs {self._world} x the output's {output.numel()} "
+                                      "elements")
+            _dense(input, what)
+        except CollectiveError as e:
+            self._refuse(e, self._scattered([output], op))
         # A copy: the sum is made in place, and the input stays as it was.
-        return self._scatter_all([(output, _dense(input, what).reshape(-1).clone())], op, what)
+        return self._scatter_all([(output, input.reshape(-1).clone())], op, what)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
         op = _op_type(opts)
         what = f"reduce_scatter_tensor ({getattr(op, 'name', op)}) of {_describe(inputs)}"
-        _same_count(outputs, inputs, what)
-        pairs = [(out, _dense(t, what).reshape(-1).clone()) for out, t in zip(outputs, inputs, strict=True)]
+        try:
+            _same_count(outputs, inputs, what)
+            for t in inputs:
+                _dense(t, what)
+        except CollectiveError as e:
+            self._refuse(e, self._scattered(outputs, op))
+        pairs = [(out, t.reshape(-1).clone()) for out, t in zip(outputs, inputs, strict=True)]
         return self._scatter_all(pairs, op, what)
 
     reduce_scatter_single = _reduce_scatter_base
@@ -555,12 +639,15 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def _scatter_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], op: Any, what: str) -> Any:
         """The reduce_scatter of each (output, flat) pair: ``flat`` holds every rank's pieces end to
         end; this rank's piece of its reduction goes to ``output``. Every pair is checked before
-        the first is sent, so a refusal sends nothing."""
-        for out, flat in pairs:
-            if flat.dtype != out.dtype or flat.numel() != out.numel() * self._world:
-                raise CollectiveError(f"{what}: the input ({flat.numel()} {flat.dtype}) does not match {self._world} "
-                                      f"x the output {_describe([out])}")
-            _check_reducible(flat, op, what, "reduce_scatter")
+        the first is sent, so a refusal sends none of them."""
+        try:
+            for out, flat in pairs:
+                if flat.dtype != out.dtype or flat.numel() != out.numel() * self._world:
+                    raise CollectiveError(f"{what}: the input ({flat.numel()} {flat.dtype}) does not match "
+                                          f"{self._world} x the output {_describe([out])}")
+                _check_reducible(flat, op, what, "reduce_scatter")
+        except CollectiveError as e:
+            self._refuse(e, self._scattered([out for out, _ in pairs], op))
         parts = []
         for out, flat in pairs:
             src, reduce = self._reduced(flat, op, what, "reduce_scatter")
@@ -581,11 +668,14 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Any:
         what = f"all_to_all of {_describe(input_tensors)}"
-        if len(output_tensors) != self._world or len(input_tensors) != self._world:
-            raise CollectiveError(f"all_to_all needs {self._world} input and output tensors, got "
-                                  f"{len(input_tensors)} and {len(output_tensors)}")
-        for t in (*output_tensors, *input_tensors):
-            _dense(t, what)
+        try:
+            if len(output_tensors) != self._world or len(input_tensors) != self._world:
+                raise CollectiveError(f"all_to_all needs {self._world} input and output tensors, got "
+                                      f"{len(input_tensors)} and {len(output_tensors)}")
+            for t in (*output_tensors, *input_tensors):
+                _dense(t, what)
+        except CollectiveError as e:
+            self._refuse_exchange(e)
         chunks = [_bytes_of(t) for t in input_tensors]
 
         def finish(received: list[torch.Tensor]) -> None:
@@ -598,13 +688,16 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Any:
         what = f"all_to_all_single of {_describe([input])}"
-        _dense(input, what)
-        _dense(output, what)
-        if output.dtype != input.dtype or output.shape[1:] != input.shape[1:]:
-            raise CollectiveError(f"{what}: the output {_describe([output])} does not match the input's rows")
+        try:
+            _dense(input, what)
+            _dense(output, what)
+            if output.dtype != input.dtype or output.shape[1:] != input.shape[1:]:
+                raise CollectiveError(f"{what}: the output {_describe([output])} does not match the input's rows")
+            sent = _splits(input_split_sizes, input.shape[0], self._world, what, "input")
+            wanted = _splits(output_split_sizes, output.shape[0], self._world, what, "output")
+        except CollectiveError as e:
+            self._refuse_exchange(e)
         row = math.prod(input.shape[1:]) * input.element_size()
-        sent = _splits(input_split_sizes, input.shape[0], self._world, what, "input")
-        wanted = _splits(output_split_sizes, output.shape[0], self._world, what, "output")
         data = _bytes_of(input)
         edges = [0, *itertools.accumulate(n * row for n in sent)]
         chunks = [data[edges[r] : edges[r + 1]] for r in range(self._world)]
@@ -615,6 +708,10 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         return self._work([self._exchange(chunks, [n * row for n in wanted], finish, what)], [output], what)
 
     all_to_all_single = alltoall_base
+
+    def _refuse_exchange(self, error: CollectiveError) -> NoReturn:
+        # Only the split table's op: with it failed, no rank sends the chunks' op (see _exchange).
+        self._refuse(error, [_sized(self._world * self._world * 8)])
 
     def _exchange(self, chunks: list[torch.Tensor], wanted: list[int], finish: Callable[[list[torch.Tensor]], None],
                   what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:

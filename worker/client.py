@@ -209,6 +209,34 @@ class Worker(SettingsView):
             ConfigError: ``x`` is not supported, or ``inplace`` is asked of a tensor
                 that is not contiguous, writeable host memory.
         """
+        try:
+            request = self._request(x, inplace, out, weight, compute_time, key, rows, dense)
+        except Exception as e:
+            # Every other rank's op of the number this one would have taken fails at once, naming
+            # this rank and why, and the ranks' later ops keep their numbers in step.
+            self.refuse(e)
+            raise
+        fut = request.future
+        with self._lock:
+            if weight is not None and compute_time is None and self._outstanding == 0 and self._idle_since is not None:
+                compute_time = time.monotonic() - self._idle_since
+            request.compute = None if compute_time is None else float(compute_time)
+            self._outstanding += 1
+            fut.add_done_callback(self._op_finished)  # not done yet: runs later, on the connection's thread
+            try:
+                self._connection.submit(request)
+            except BaseException:
+                self._outstanding -= 1
+                raise
+        return fut
+
+    def _request(self, x: Any, inplace: bool, out: np.ndarray | None, weight: float | None,
+                 compute_time: float | None, key: Any, rows: Any, dense: bool) -> OpRequest:
+        """The checked request of :meth:`allreduce_async`'s op (its compute time still to set).
+
+        Raises:
+            ConfigError: the arguments are not usable (see :meth:`allreduce_async`).
+        """
         for name, v, positive in (("weight", weight, True), ("compute_time", compute_time, False)):
             if v is not None:
                 config.check_number(name, v, positive=positive)
@@ -244,9 +272,6 @@ class Worker(SettingsView):
         if weight is not None and dtype.is_integer:
             raise ConfigError(f"weight is not supported for {dtype.name.lower()} tensors: an integer allreduce is an "
                               "exact sum, and a weighted mean has no integer result")
-        # Everything that can fail happens before the op takes its number: a number
-        # taken by an op that is never sent would pair this rank's later ops with
-        # the other ranks' earlier ones.
         if layout is None:
             layout = Layout(length, self.block_size, self.message_blocks, self.streams)
         dense, auto_key = False, None
@@ -259,23 +284,26 @@ class Worker(SettingsView):
             except TypeError:
                 raise ConfigError(f"key must be hashable, got {type(auto_key).__name__}") from None
             dense = self._chooser.choose(auto_key, length, dtype.itemsize) == "dense"
-        fut: Future = Future()
-        request = OpRequest(
-            flat, dtype, layout, restore, fut, inplace, data, out, None if weight is None else float(weight),
+        return OpRequest(
+            flat, dtype, layout, restore, Future(), inplace, data, out, None if weight is None else float(weight),
             dense=dense, measured=self._measure(auto_key) if auto_key is not None and not dense else None,
         )
-        with self._lock:
-            if weight is not None and compute_time is None and self._outstanding == 0 and self._idle_since is not None:
-                compute_time = time.monotonic() - self._idle_since
-            request.compute = None if compute_time is None else float(compute_time)
-            self._outstanding += 1
-            fut.add_done_callback(self._op_finished)  # not done yet: runs later, on the connection's thread
-            try:
-                self._connection.submit(request)
-            except BaseException:
-                self._outstanding -= 1
-                raise
-        return fut
+
+    def refuse(self, error: BaseException, x: Any = None, **options: Any) -> None:
+        """Takes the next op number for an op this rank will not send, and fails that op on
+        every rank: theirs raise :class:`~omnireduce.errors.PeerRefusedError` naming this rank
+        and ``error``, at once instead of at their timeout.
+
+        :meth:`allreduce_async` does this itself for the arguments it refuses. A caller
+        whose own checks refuse an op that every rank makes (a process group's collective)
+        calls this instead of submitting it, so that the ranks' op numbers stay in step.
+
+        Args:
+            error: why (its type and message are sent).
+            x: the tensor the op would have summed; unused (one aggregator: one number).
+            **options: the op's options; unused.
+        """
+        self._connection.abort(error)
 
     def allreduce(self, x: Any, **options: Any) -> Any:
         """Sums ``x`` over all workers of the job and returns the result.

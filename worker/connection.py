@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -48,12 +48,15 @@ from omnireduce.errors import (
     OpError,
     OpTimeoutError,
     PeerLostError,
+    PeerRefusedError,
     ProtocolError,
     StaleGenerationError,
     WorkerClosedError,
 )
 from omnireduce.protocol import (
     MAX_ERROR_HEADER_BYTES,
+    MAX_REASON,
+    Abort,
     Bye,
     Error,
     ErrorCode,
@@ -79,6 +82,7 @@ _ERRORS: dict[int, type[OpError]] = {
     ErrorCode.LIMIT: LimitError,
     ErrorCode.PEER_LOST: PeerLostError,
     ErrorCode.STALE: StaleGenerationError,
+    ErrorCode.REFUSED: PeerRefusedError,
 }
 # Errors answering HELLO: this connection may not take part in the job at all.
 _REFUSALS = frozenset({ErrorCode.AUTH, ErrorCode.LIMIT, ErrorCode.MISMATCH, ErrorCode.STALE})
@@ -86,6 +90,27 @@ _REFUSALS = frozenset({ErrorCode.AUTH, ErrorCode.LIMIT, ErrorCode.MISMATCH, Erro
 _BYE_LINGER_MS = 500
 # Seconds between tries to open a new socket when opening one failed.
 _RENEW_RETRY_S = 1.0
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """An op this rank numbers but will not send: its arguments failed a check here.
+
+    Attributes:
+        reason: why, for the other ranks' errors (see :class:`omnireduce.protocol.Abort`).
+        future: done once the ABORT is handed to the socket or queued for it.
+        op: the op number, given by the connection when it queues the request.
+    """
+
+    reason: str
+    future: Future = field(default_factory=Future)
+    op: int = -1
+
+
+def refusal_text(error: BaseException) -> str:
+    """What an ABORT tells the other ranks of ``error``: its type and message, cut to fit."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 
 @dataclass(slots=True)
@@ -179,7 +204,7 @@ class Connection:
     def closed(self) -> bool:
         return self._closed
 
-    def submit(self, request: OpRequest) -> int:
+    def submit(self, request: OpRequest | AbortRequest) -> int:
         """Numbers ``request`` (its ``op``) and queues it for the thread; returns the number.
 
         Raises:
@@ -198,6 +223,19 @@ class Connection:
             self._loop.put(self, request)
         self._loop.notify()
         return request.op
+
+    def abort(self, error: BaseException) -> int | None:
+        """Numbers an op that this rank refuses (``error``: why) and tells the aggregator, which
+        fails it on every rank; returns its number, or None if the connection is closed.
+
+        For a refusal raised before :meth:`submit`: the other ranks' op of that number
+        fails at once (:class:`~omnireduce.errors.PeerRefusedError`) instead of at its
+        timeout, and every rank's later ops keep their numbers in step.
+        """
+        try:
+            return self.submit(AbortRequest(refusal_text(error)))
+        except WorkerClosedError:
+            return None  # nothing more goes out: the other ranks' ops fail by the lost peer
 
     def close(self) -> None:
         """Closes the connection; pending ops fail with WorkerClosedError.
@@ -438,8 +476,13 @@ class Connection:
                 for op in list(pending):
                     self._drop(op, AuthError(why, job=self.job, op=op))
 
-    def _take(self, sub: OpRequest) -> None:
+    def _take(self, sub: OpRequest | AbortRequest) -> None:
         """Starts a submitted op: its first messages go out (or wait for the connection)."""
+        if isinstance(sub, AbortRequest):
+            if sub.future.set_running_or_notify_cancel():
+                sub.future.set_result(None)
+            self._post_abort(sub.op, sub.reason)
+            return
         if not sub.future.set_running_or_notify_cancel():
             # Cancelled while queued: the op still runs (the other ranks wait for
             # its number), its result goes nowhere.
@@ -454,17 +497,26 @@ class Connection:
             state = WorkerOp.from_request(self.settings, sub)
             messages = state.start()
         except OmniReduceError as e:
+            self._post_abort(sub.op, refusal_text(e))
             sub.future.set_exception(e)
             return
         except Exception as e:  # e.g. MemoryError: fail this op, not the thread
             logger.exception("worker rank %d of job %r op %d: setting up the op failed", self.rank, self.job,
                              sub.op)
-            sub.future.set_exception(OpError(f"op {sub.op}: setting up the op failed: {e!r}",
-                                             job=self.job, op=sub.op))
+            error = OpError(f"op {sub.op}: setting up the op failed: {e!r}", job=self.job, op=sub.op)
+            self._post_abort(sub.op, refusal_text(error))
+            sub.future.set_exception(error)
             return
         self._pending[sub.op] = _Pending(state, sub, now, now)
         for frames in messages:
             self._post(sub.op, frames)
+
+    def _post_abort(self, op: int, reason: str) -> None:
+        if self._refused is not None:
+            return  # this connection may not take part in the job: the others hear that instead
+        logger.info("worker rank %d of job %r op %d: refused here, telling the aggregator: %s", self.rank,
+                    self.job, op, reason)
+        self._post(op, encode(Abort(self.job, self.rank, op, reason)))
 
     def _receive(self) -> None:
         pending = self._pending

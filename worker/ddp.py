@@ -14,6 +14,7 @@ flight. The sums are written back into ``bucket.buffer()`` in place.
 # with the real dist.GradBucket and Future[Tensor] objects.
 import itertools
 import logging
+import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future as ConcurrentFuture
@@ -63,7 +64,11 @@ class OmniReduceState:
             per new density measurement of a bucket, not per step).
         error: the first error a bucket hit (None while all is well); once set,
             every later bucket fails at once with the same cause, so a loop can
-            check ``state.error`` after catching the error from ``backward()``.
+            check ``state.error`` after catching the error from ``backward()``. Such a
+            bucket's ops are refused (numbered and failed on every rank, see
+            :meth:`worker.client.Worker.refuse`), as is a bucket whose tensor this
+            rank's worker refuses: a rank that has not heard of the failure yet fails
+            at once rather than at its timeout, and the ranks' ops stay in step.
         buckets: buckets reduced so far.
         coalesce_sparse: send the sparse gradients that DDP hands over one after
             another (it gives each its own bucket: one per embedding table) as one op
@@ -218,14 +223,15 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
     # a vote: a rank whose table was dropped (its rows are no longer given) must not enter
     # the dense group's collective while the others run the rows op.
     chooser = None if state.rows is not None and state.rows.ever_held(bucket) else state._chooser
+    parts = state.rows.bucket_parts(bucket) if state.rows is not None else None
     if state.error is not None:
         if chooser is not None:
             # The other ranks may wait in the agreement: vote sparse, so that they go on to
-            # omnireduce (which fails within its timeout) instead of blocking in gloo.
+            # omnireduce (where this rank refuses the op) instead of blocking in gloo.
             _, basis = chooser.plan(key, buf.numel(), buf.element_size())
             _agree(state, key, "sparse", basis)
-        return _failed(f"omnireduce {what} skipped after an earlier failure: {state.error}")
-    parts = state.rows.bucket_parts(bucket) if state.rows is not None else None
+        ops = [buf] if parts is None else [part.view for part in parts]
+        return _skip(state, what, ops, key=key if parts is None else None)
     if parts is not None:
         return _parts_bucket(state, buf, what, parts)
     path = "sparse" if state.mode == "auto" and chooser is None else state.mode
@@ -246,9 +252,8 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
         # The key names the bucket from step to step: a sharded worker sizes the op from its last union.
         source = state.worker.allreduce_async(buf, inplace=not buf.is_cuda and buf.is_contiguous(), weight=weight,
                                               key=key)
-    except BaseException as e:
-        state.record(e)
-        raise
+    except Exception as e:
+        return _refused(state, what, e)
     state.buckets += 1
     if chooser is not None:
 
@@ -274,21 +279,27 @@ def _parts_bucket(state: OmniReduceState, buf: torch.Tensor, what: str,
     weight = state.samples
     divide = weight is None and state.average and world > 1
     sources = []
+    sending = False
     try:
         for part in parts:
             if part.rows is None:
                 if divide:
                     part.view.div_(world)
+                sending = True
                 sources.append(state.worker.allreduce_async(part.view, inplace=True, weight=weight))
+                sending = False
                 continue
             if divide:
                 divide_rows(part.view, part.rows, world)
             # Recording the rows written: the tracker checks them at the next step.
             part.known = known_rows(part.view, part.rows, inplace=True, world_size=world, record=True)
+            sending = True
             sources.append(state.worker.allreduce_async(part.known, weight=weight))
-    except BaseException as e:
-        state.record(e)
-        raise
+            sending = False
+    except Exception as e:
+        # The worker refused the part it was given; the parts after it (or from the one that
+        # failed before reaching it) are refused here, so that every rank's ops stay in step.
+        return _refused(state, what, e, [part.view for part in parts[len(sources) + sending:]])
     state.buckets += 1
     state.paths["sparse"] += 1
     combined: ConcurrentFuture = ConcurrentFuture()
@@ -345,8 +356,41 @@ def _agree(state: OmniReduceState, key: Any, path: str, basis: int | None) -> st
     return path
 
 
-def _failed(message: str) -> torch.futures.Future[torch.Tensor]:
-    return Settable.failed(CollectiveError(message))
+def _skipped(state: OmniReduceState, what: str, ops: list[torch.Tensor], key: Any = None) -> CollectiveError:
+    """Refuses the ops of a bucket not sent after an earlier failure, and returns the error.
+
+    Each op is numbered and failed on every rank (:meth:`worker.client.Worker.refuse`):
+    a rank that has not heard of the failure yet when it sends that bucket fails at once
+    instead of at its timeout, and every rank's op numbers stay in step.
+
+    Args:
+        state: the hook state (its ``error`` is the earlier failure).
+        what: names the bucket.
+        ops: what each of the bucket's ops would have summed (or a tensor of its size).
+        key: the ops' key, as they would have been sent (a sharded worker sizes ops by it).
+    """
+    error = CollectiveError(f"omnireduce {what} skipped after an earlier failure: {state.error}")
+    for x in ops:
+        state.worker.refuse(error, x, weight=state.samples, key=key)
+    return error
+
+
+def _skip(state: OmniReduceState, what: str, ops: list[torch.Tensor], key: Any = None) -> torch.futures.Future:
+    return Settable.failed(_skipped(state, what, ops, key))
+
+
+def _refused(state: OmniReduceState, what: str, e: Exception,
+             rest: list[torch.Tensor] | None = None) -> torch.futures.Future:
+    """The bucket's future when this rank refused one of its ops (the worker numbered it and
+    failed it on every rank): failed, not raised, so that DDP hands over the buckets after it,
+    which are refused too (``state.error``); ``rest``: the bucket's own ops still to refuse."""
+    state.record(e)
+    logger.error("omnireduce %s refused here: %s: %s", what, type(e).__name__, e)
+    if rest:
+        _skipped(state, what, rest)
+    error = CollectiveError(f"omnireduce {what} failed: {type(e).__name__}: {e}")
+    error.__cause__ = e
+    return Settable.failed(error)
 
 
 def _sparse_bucket(state: OmniReduceState, index: int, grad: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -356,23 +400,24 @@ def _sparse_bucket(state: OmniReduceState, index: int, grad: torch.Tensor) -> to
     takes as the parameter's gradient.
     """
     what = f"allreduce of DDP bucket {index} (sparse {tuple(grad.shape)} {grad.dtype}, {grad._nnz()} rows)"
-    if state.error is not None:
-        return _failed(f"omnireduce {what} skipped after an earlier failure: {state.error}")
+    held = state.coalesce_sparse and grad.sparse_dim() == 1 and grad.dim() == 2
+    if state.error is not None and not held:
+        return _skip(state, what, [grad], key=("sparse", index))
     weight = state.samples
-    if weight is None and state.average and state.worker.world_size > 1:
+    if weight is None and state.average and state.worker.world_size > 1 and state.error is None:
         # A new tensor: the gradient DDP gave is not changed.
         grad = grad / state.worker.world_size
     state.buckets += 1
     state.paths["sparse"] += 1
-    if state.coalesce_sparse and grad.sparse_dim() == 1 and grad.dim() == 2:
-        held: ConcurrentFuture = ConcurrentFuture()
-        state._held.append((index, grad, held))
-        return complete_torch_future(held, grad, what, state)
+    if held:
+        # Held even after a failure: the ops of the held run are the same on every rank (see _send_held).
+        future: ConcurrentFuture = ConcurrentFuture()
+        state._held.append((index, grad, future))
+        return complete_torch_future(future, grad, what, state)
     try:
         source = state.worker.allreduce_async(grad, weight=weight, key=("sparse", index))
-    except BaseException as e:
-        state.record(e)
-        raise
+    except Exception as e:
+        return _refused(state, what, e)
     return complete_torch_future(source, grad, what, state)
 
 
@@ -388,8 +433,10 @@ def _send_held(state: OmniReduceState) -> None:
         groups.setdefault((item[1].dtype, tuple(item[1].shape[1:])), []).append(item)
     for items in groups.values():
         if state.error is not None:
-            for index, _, future in items:
-                future.set_exception(CollectiveError(f"sparse DDP bucket {index} skipped after an earlier failure"))
+            error = _skipped(state, f"sparse DDP buckets {[index for index, _, _ in items]}",
+                             [joined_size([(grad, future) for _, grad, future in items])])
+            for _, _, future in items:
+                future.set_exception(error)
             continue
         try:
             send_joined(state.worker, [(grad, future) for _, grad, future in items], state.samples)
@@ -411,9 +458,13 @@ def send_joined(worker: Allreducer, items: list[tuple[torch.Tensor, ConcurrentFu
         items: (gradient, future) pairs, in the order every rank gives them.
         weight: this rank's samples (a weighted op), or None.
     """
-    parts = [SparseRows.from_torch(grad) for grad, _ in items]
-    offsets = [0, *itertools.accumulate(grad.shape[0] for grad, _ in items)]
-    joined = SparseRows.join(parts, offsets[:-1], offsets[-1], None)
+    try:
+        parts = [SparseRows.from_torch(grad) for grad, _ in items]
+        offsets = [0, *itertools.accumulate(grad.shape[0] for grad, _ in items)]
+        joined = SparseRows.join(parts, offsets[:-1], offsets[-1], None)
+    except Exception as e:
+        worker.refuse(e, joined_size(items), weight=weight)
+        raise
     source = worker.allreduce_async(joined, weight=weight)
 
     def split(src: ConcurrentFuture) -> None:
@@ -430,6 +481,13 @@ def send_joined(worker: Allreducer, items: list[tuple[torch.Tensor, ConcurrentFu
                 future.set_exception(e)
 
     source.add_done_callback(split)
+
+
+def joined_size(items: list[tuple[torch.Tensor, Any]]) -> torch.Tensor:
+    """A tensor of the size of the op that joins the sparse gradients of ``items`` (a meta
+    tensor: it holds nothing), for refusing that op (:meth:`worker.client.Worker.refuse`)."""
+    size = sum(grad.shape[0] * math.prod(grad.shape[1:]) * grad.element_size() for grad, _ in items)
+    return torch.empty(size, dtype=torch.uint8, device="meta")
 
 
 def _dense_allreduce(state: OmniReduceState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

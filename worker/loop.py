@@ -34,7 +34,7 @@ import zmq
 from omnireduce.errors import WorkerClosedError
 
 if TYPE_CHECKING:
-    from worker.connection import Connection
+    from worker.connection import AbortRequest, Connection
     from worker.op import OpRequest
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["CommLoop", "Service", "fail_future"]
 
 _wake_ids = itertools.count()
-# Queue items: (connection, what): what is _ATTACH, an OpRequest, or None (close the
+# Queue items: (connection, what): what is _ATTACH, an OpRequest or AbortRequest, or None (close the
 # connection); (service, sockets) with _SERVE; a bare None stops the loop.
 _ATTACH = object()
 _SERVE = object()
@@ -136,7 +136,7 @@ class CommLoop:
             self._queue.put((service, _SERVE, sockets))
         self.wake()
 
-    def put(self, conn: Connection, what: OpRequest | None) -> None:
+    def put(self, conn: Connection, what: OpRequest | AbortRequest | None) -> None:
         """Queues an op request of ``conn`` (or, with None, its close); the caller holds ``conn``'s lock."""
         self._queue.put((conn, what))
 

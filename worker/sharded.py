@@ -275,25 +275,31 @@ class ShardedWorker(SettingsView):
             ConfigError: ``x`` is not supported, or ``inplace``/``out`` do not fit it.
             WorkerClosedError: the worker is closed, or a shard refused an earlier op.
         """
-        known = as_known(x, kwargs.pop("rows", None), kwargs.pop("dense", False), inplace, out, self.world_size)
-        if known is not None:
-            x = known
-        parts, key = self._parts_for(x, kwargs)
-        device = False
-        if isinstance(x, KnownRows):
-            # Each shard's part reads and writes its rows through a strided view: nothing to join.
-            chunks = x.deal(parts)
-            chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
-            finish: Any = lambda _results, x=x: x.result  # noqa: E731
-        elif is_rows(x):
-            chunks, finish = self._split_rows(x, inplace, out, parts)
-            chunk_kwargs = [{} for _ in chunks]
-        elif is_cuda_tensor(x):
-            device = True
-            chunks, finish = self._split_cuda(x, inplace, out, parts)
-            chunk_kwargs = [{} for _ in chunks]
-        else:
-            chunks, chunk_kwargs, finish = self._split_host(x, inplace, out, parts)
+        given = x
+        parts: int | None = None
+        try:
+            known = as_known(x, kwargs.pop("rows", None), kwargs.pop("dense", False), inplace, out, self.world_size)
+            if known is not None:
+                x = known
+            parts, key = self._parts_for(x, kwargs)
+            device = False
+            if isinstance(x, KnownRows):
+                # Each shard's part reads and writes its rows through a strided view: nothing to join.
+                chunks = x.deal(parts)
+                chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
+                finish: Any = lambda _results, x=x: x.result  # noqa: E731
+            elif is_rows(x):
+                chunks, finish = self._split_rows(x, inplace, out, parts)
+                chunk_kwargs = [{} for _ in chunks]
+            elif is_cuda_tensor(x):
+                device = True
+                chunks, finish = self._split_cuda(x, inplace, out, parts)
+                chunk_kwargs = [{} for _ in chunks]
+            else:
+                chunks, chunk_kwargs, finish = self._split_host(x, inplace, out, parts)
+        except Exception as e:
+            self.refuse(e, given if parts is None else None, parts=parts, **kwargs)
+            raise
         fut: Future = Future()
         # The thread is woken once every shard's request is queued and every callback set:
         # woken earlier, it would contend with this caller for the GIL. Not for a device
@@ -323,22 +329,58 @@ class ShardedWorker(SettingsView):
                 try:
                     shard_futures.append(self.shards[k].allreduce_async(chunk, **chunk_kwargs[i], **kwargs))
                 except BaseException as e:
-                    if i == 0:
-                        # Nothing was submitted: a Worker takes no op number before its
-                        # checks pass, so the shards' op numbers still agree.
-                        raise
-                    # Shards 0..k-1 took the op and shard k did not: their op numbers no
-                    # longer agree, so no later op can be right.
-                    self._broken = e
-                    logger.error("sharded worker rank %d of job %r: shard %d (%s) refused an op: %s",
-                                 self.rank, self.job, k, self.addresses[k], e)
-                    err = self._shard_error(k, e)
-                    raise err from e
-            self._turn = (targets[-1] + 1) % nshards
-            self._ops += 1
+                    if isinstance(e, WorkerClosedError):
+                        # Shard k took no number while the others took theirs: their op numbers
+                        # no longer agree, so no later op can be right.
+                        self._broken = e
+                        logger.error("sharded worker rank %d of job %r: shard %d (%s) refused an op: %s",
+                                     self.rank, self.job, k, self.addresses[k], e)
+                    else:
+                        # Shard k refused its part and took its number for it (its Worker told
+                        # its aggregator); the shards after it refuse theirs, so every shard's op
+                        # fails or completes on every rank, with the numbers in step.
+                        for j in targets[i + 1:]:
+                            self.shards[j].refuse(e)
+                        self._advance(targets)
+                    raise self._shard_error(k, e) from e
+            self._advance(targets)
             if key is not None:
                 self._last_of[key] = gather
         return gather, shard_futures
+
+    def _advance(self, targets: list[int]) -> None:
+        """Counts an op that took ``targets`` (under ``_submit_lock``)."""
+        self._turn = (targets[-1] + 1) % len(self.shards)
+        self._ops += 1
+
+    def refuse(self, error: BaseException, x: Any = None, *, parts: int | None = None, **options: Any) -> None:
+        """Takes the next op's numbers for an op this rank will not send, on the shards it would
+        go to, and fails it on every rank (see :meth:`worker.client.Worker.refuse`).
+
+        Args:
+            error: why (its type and message are sent).
+            x: the tensor the op would have summed, whose size (with ``options``, as in
+                :meth:`allreduce_async`) tells how many shards the other ranks' op takes;
+                without it, or if it is no tensor, every shard (with ``shard_bytes`` 0,
+                always right; else the others' op may take fewer, and the shards
+                beyond theirs are then out of step).
+            parts: how many shards, where known already.
+            **options: the op's options (``weight``, ``key``, ...).
+        """
+        if parts is None:
+            parts = len(self.shards)
+            if x is not None:
+                try:
+                    parts = self._parts_for(x, options)[0]
+                except Exception:  # noqa: BLE001 - x is what was refused: every shard, then
+                    logger.debug("sharded worker rank %d: no shard count for a refused op", self.rank, exc_info=True)
+        with self._submit_lock:
+            if self._closed or self._broken is not None:
+                return
+            targets = [(self._turn + i) % len(self.shards) for i in range(parts)]
+            for k in targets:
+                self.shards[k].refuse(error)
+            self._advance(targets)
 
     def allreduce(self, x: Any, **options: Any) -> Any:
         """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).

@@ -261,7 +261,8 @@ class Engine:
 
     def _on_abort(self, key: tuple[str, int], msg: Abort) -> list[Outgoing]:
         # The op may not have begun here yet: its tombstone answers the other ranks' STARTs.
-        reason = msg.reason or "no reason given"
+        # One line in the logs and in the other ranks' errors, whatever the worker sent.
+        reason = " ".join(msg.reason.split()) or "no reason given"
         return self._fail_op(key, ErrorCode.REFUSED, f"rank {msg.rank} refused the op: {reason}", [msg.rank])
 
     def _on_hello(self, peer: bytes, msg: Hello) -> list[Outgoing]:

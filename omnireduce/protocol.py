@@ -310,7 +310,9 @@ class Abort:
     reason: the other ranks raise at once instead of at their timeout, and every rank's
     op numbers stay in step (the op took its number everywhere). An ABORT of an op that
     already failed changes nothing (each rank of an op that every rank refused sends one).
-    No frames; no answer.
+    No frames; no answer (unless the message itself is refused, as a START would be: an
+    ERROR to its sender). The failure is remembered as every failed op's is (the
+    aggregator's last 1024 failed ops).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.ABORT

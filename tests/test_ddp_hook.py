@@ -120,3 +120,46 @@ def test_a_pass_that_differs_from_the_previous_one_still_sends_every_gradient() 
     futures = [omnireduce_hook(state, b) for b in [_Bucket(0, _sparse([1]), False), _Bucket(1, _sparse([2]), True)]]
     assert _kinds(w.calls) == [("rows", 10), ("rows", 10)]
     assert [sorted(f.wait().coalesce().indices()[0].tolist()) for f in futures] == [[1], [2]]
+
+
+def test_after_a_failure_buckets_are_refused_on_their_own_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once ``state.error`` is set, a bucket of the sparse protocol is refused (numbered and failed
+    on every rank), a bucket of the dense group joins the group's allreduce (the other ranks run
+    it; gloo stays in step) and numbers nothing; held sparse gradients are refused as one op."""
+    import worker.ddp as ddp
+
+    class Refusing(_Worker):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refused: list[tuple[int, Any]] = []
+
+        def refuse(self, error: BaseException, x: Any = None, **options: Any) -> None:
+            self.refused.append((x.numel() * x.element_size(), options.get("key")))
+
+    dense_calls: list[int] = []
+
+    def dense(state: Any, buf: torch.Tensor) -> torch.futures.Future:
+        dense_calls.append(buf.numel())
+        f: torch.futures.Future = torch.futures.Future()
+        f.set_result(buf)
+        return f
+
+    monkeypatch.setattr(ddp, "_dense_allreduce", dense)
+    for mode in ("sparse", "dense"):
+        w = Refusing()
+        state = OmniReduceState(w, mode=mode, dense_group=None if mode == "sparse" else object())
+        state.error = RuntimeError("an earlier bucket failed")
+        dense_calls.clear()
+        buckets = [_Bucket(0, torch.ones(8), False), _Bucket(1, _sparse([1, 3]), False),
+                   _Bucket(2, _sparse([2], num_rows=6), True)]
+        futures = [omnireduce_hook(state, b) for b in buckets]
+        for f in futures:
+            with pytest.raises(RuntimeError, match="skipped after an earlier failure"):
+                f.wait()
+        assert w.calls == []
+        # The two tables (10 + 6 rows of 4 float32) as one joined op, as they would have gone.
+        joined = (16 * 4 * 4, None)
+        if mode == "sparse":
+            assert w.refused == [(32, (0, 8, torch.float32)), joined] and dense_calls == []
+        else:
+            assert w.refused == [joined] and dense_calls == [8]

@@ -520,3 +520,32 @@ def test_an_op_refused_before_its_split_takes_the_shards_the_others_take(shards:
             np.testing.assert_array_equal(got, want)
     # The refused op took shards 0 and 1, then 2+0, 1, 2+0; the shards count the ops that ran.
     assert ops0 == ops1 == [2, 1, 2]
+
+
+@pytest.mark.parametrize("bad", ["out", "rows"])
+def test_a_keyed_op_refused_on_one_rank_leaves_the_ranks_sizing_the_next_alike(shards: list[Aggregator],
+                                                                              bad: str) -> None:
+    """Ops of a key go to as many shards as the last one's union density says. After an op of
+    the key refused on rank 0 only (an ``out=`` of the wrong size; ``rows=`` outside the tensor),
+    both ranks size the next op of the key alike: the refusing rank forgets the key's history,
+    as the other rank's failed op counts as density 1."""
+    addresses = [a.address for a in shards[:2]]
+    x = np.zeros((63, 16), np.float32)
+    x[:2] = 1.0  # 2 of 63 rows: a union density that sends the next op to one shard
+
+    def rank(r: int) -> tuple[str, np.ndarray, list[int]]:
+        with connect(addresses, rank=r, world_size=2, job=f"keyed-refusal-{bad}", timeout=20, block_size=16,
+                     message_blocks=4, streams=2, shard_bytes=2000) as w:
+            good: dict[str, Any] = {"rows": [0, 1]} if bad == "rows" else {}
+            w.allreduce(x, key="k", **good)
+            spoiled = {"rows": [999]} if bad == "rows" else {"out": np.zeros(3, np.float32)}
+            with pytest.raises(OmniReduceError) as info:
+                w.allreduce(x, key="k", **(spoiled if r == 0 else good))
+            y = w.allreduce(x, key="k", **good)
+            return type(info.value).__name__, y, [s.stats.ops for s in w.shards]
+
+    (e0, y0, ops0), (e1, y1, ops1) = run_ranks(2, rank)
+    assert (e0, e1) == ("ConfigError", "PeerRefusedError")
+    for y in (y0, y1):
+        np.testing.assert_array_equal(y, 2 * x)
+    assert ops0 == ops1

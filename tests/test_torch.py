@@ -177,6 +177,23 @@ def test_a_bucket_refused_on_one_rank_fails_the_step_at_once_on_every_rank(agg, 
         torch.testing.assert_close(res["after"], torch.full((4,), 3.0))
 
 
+def test_an_op_refused_on_one_rank_fails_the_reducers_step_at_once_on_every_rank(agg, tmp_path) -> None:
+    # GradientReducer: rank 0's worker refuses its first op of step 1 (op timeout 60 s); rank 0
+    # refuses every bucket after it (dense, the sparse tables' joined op, the unused layer's),
+    # so rank 1's synchronize() raises at once too, and the ranks' next ops pair up.
+    results = run_procs("reducer_refusal_case", 2, tmp_path, agg.address)
+    for rank, res in enumerate(results):
+        assert len(res["errors"]) == 1, (rank, res)
+        step, message, took = res["errors"][0]
+        assert step == 1 and took < 10, (rank, step, took, message)
+        if rank == 0:
+            assert "weight must be" in message and "ConfigError" in res["error"], res
+        else:
+            assert "PeerRefusedError" in message, message
+        torch.testing.assert_close(res["after"], torch.full((4,), 3.0))
+    assert results[0]["buckets"] >= 3
+
+
 def test_hook_traffic_is_a_fraction_of_dense(agg, tmp_path) -> None:
     (res, _) = run_procs("ddp_case", 2, tmp_path, agg.address, "traffic")
     stats = res["stats"]
@@ -252,7 +269,7 @@ def test_backend_collectives_and_ddp(agg, tmp_path) -> None:
         torch.testing.assert_close(res["broadcast"], torch.tensor([21, -7, 2**40 + 2]))
         for r, g in enumerate(res["all_gather"]):
             torch.testing.assert_close(g, torch.tensor([r, -0.5], dtype=torch.float16))
-        assert "does not support send" in res["unsupported"]
+        assert "does not support recv from any source" in res["unsupported"]
         torch.testing.assert_close(res["got"], res["expected"])
 
 

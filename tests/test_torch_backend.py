@@ -79,6 +79,28 @@ def test_failed_collectives_raise_on_every_rank(agg, tmp_path) -> None:
             assert step == 2 and what in message and "MismatchError" in message, (rank, name, message)
 
 
+def test_send_and_recv_deliver_what_gloo_delivers(agg, tmp_path) -> None:
+    world = 3
+    results = run_procs("p2p_case", world, tmp_path, agg.address)
+    for rank, res in enumerate(results):
+        for gloo, ours in zip(res["gloo"], res["omnireduce"], strict=True):
+            assert ours.dtype == gloo.dtype and ours.shape == gloo.shape
+            torch.testing.assert_close(ours, gloo, rtol=0, atol=0)
+        if rank == 1:
+            # Tags matched by tag, not by order.
+            torch.testing.assert_close(res["omnireduce"][-2], torch.zeros(3))
+            torch.testing.assert_close(res["omnireduce"][-1], torch.ones(3))
+        errors = res["errors"]
+        assert "CollectiveError" in errors["self"] and "another rank" in errors["self"], errors
+        if rank in (0, 1):
+            assert "CollectiveError" in errors["short"] and "MismatchError" in errors["short"], errors
+        if rank == 1:
+            torch.testing.assert_close(res["after"], torch.full((2,), 7.0))
+    # The ring: each rank received what the previous rank sent (checked against gloo above,
+    # and not all -1: the messages arrived).
+    assert float(results[0]["omnireduce"][0].abs().sum()) > 0
+
+
 def test_arguments_refused_on_one_rank_fail_the_collective_at_once_on_every_rank(agg, tmp_path) -> None:
     # Rank 1's arguments are wrong, the op timeout is 60 s: rank 1 raises its refusal in the
     # call, as gloo does, and rank 0 a CollectiveError naming rank 1 and why, both at once.
@@ -200,8 +222,8 @@ def test_gather_outputs_of_another_dtype_or_size_are_refused() -> None:
         def allreduce_async(self, *args: object, **kwargs: object) -> None:
             raise AssertionError("refused before any op")
 
-        def refuse(self, error: BaseException, x: torch.Tensor) -> None:
-            self.refused.append((str(error), x.numel() * x.element_size()))
+        def refuse(self, error: BaseException, x: torch.Tensor, weight: float | None = None) -> None:
+            self.refused.append((str(error), x.numel() * x.element_size(), weight))
 
     worker = NoWorker()
     group = OmniReduceProcessGroup(0, 2, worker)  # type: ignore[arg-type]
@@ -213,7 +235,18 @@ def test_gather_outputs_of_another_dtype_or_size_are_refused() -> None:
         with pytest.raises(CollectiveError, match="does not match"):
             group.gather([[torch.zeros(4), bad]], [x], opts)
     # Each refusal numbered the one op the collective sends (2 ranks x 16 bytes) on this rank.
-    assert [n for _, n in worker.refused] == [32] * 4 and "does not match" in worker.refused[0][0]
+    assert [n for _, n, _ in worker.refused] == [32] * 4 and "does not match" in worker.refused[0][0]
+    # A weighted AVG is refused as the weighted op it would have been (a sharded worker sends
+    # those to every shard); MAX's gather of 2 x 16 bytes is not weighted.
+    worker.refused.clear()
+    group.samples = 3.0
+    for op in (torch.distributed.ReduceOp.AVG, torch.distributed.ReduceOp.MAX):
+        opts = torch.distributed.AllreduceOptions()
+        opts.reduceOp = op
+        with pytest.raises(CollectiveError, match="does not support torch.bool|sparse"):
+            group.allreduce([torch.ones(4, dtype=torch.bool) if op == torch.distributed.ReduceOp.AVG
+                             else torch.ones(4).to_sparse()], opts)
+    assert [(n, w) for _, n, w in worker.refused] == [(4, 3.0), (32, None)]
 
 
 def _gather_options(root: int) -> object:

@@ -303,3 +303,24 @@ def test_aggregator_refuses_a_timeout_that_would_fail_or_never_end_every_op(time
     # 0 used to fail every op at its first expiry check (the CLI's "0 disables" is None here).
     with pytest.raises(ConfigError, match="timeout"):
         Aggregator(listen="tcp://127.0.0.1:0", timeout=timeout)
+
+
+def test_a_refusal_whose_text_utf8_cannot_encode_is_sent_escaped(aggregator: Aggregator) -> None:
+    # A surrogate-escaped file name in the error once killed the communication thread.
+    x = np.ones(10, np.float32)
+
+    def rank(r: int) -> tuple[str, np.ndarray]:
+        with Worker(aggregator.address, rank=r, world_size=2, job="surrogate", timeout=20) as w:
+            if r == 0:
+                w.refuse(ValueError("cannot read /data/\udcff.npy"))
+                text = ""
+            else:
+                with pytest.raises(PeerRefusedError) as info:
+                    w.allreduce(x)
+                text = str(info.value)
+            return text, w.allreduce(x)
+
+    (_, y0), (text, y1) = run_ranks(2, rank)
+    assert "rank 0 refused the op: ValueError: cannot read /data/\\udcff.npy" in text, text
+    np.testing.assert_array_equal(y0, 2 * x)
+    np.testing.assert_array_equal(y1, 2 * x)

@@ -276,7 +276,7 @@ def backend_case(rank: int, world: int, address: str, steps: int = 4) -> dict[st
     out["all_gather"] = gathered
     dist.barrier(group=group)
     try:
-        dist.send(torch.zeros(1), dst=(rank + 1) % world, group=group)
+        dist.recv(torch.zeros(1), group=group)  # from any source
         out["unsupported"] = None
     except Exception as e:  # noqa: BLE001 - the test checks the message
         out["unsupported"] = str(e)
@@ -928,6 +928,20 @@ def refusal_case(rank: int, world: int, address: str) -> dict[str, Any]:
     return out
 
 
+def _until_refused(rank: int, holder: Any, worker: Any, step: Any) -> list[tuple[int, str, float]]:
+    """Runs ``step(n)`` for steps 0-2, rank 0's ``holder.worker`` refusing its first op of step 1
+    (:class:`RefuseAt`); returns the first error: (step, type and text, seconds the step took)."""
+    for n in range(3):
+        if n == 1 and rank == 0:
+            holder.worker = RefuseAt(worker, at=0)
+        start = time.monotonic()
+        try:
+            step(n)
+        except Exception as e:  # noqa: BLE001 - the test checks type and text
+            return [(n, f"{type(e).__name__}: {e}", time.monotonic() - start)]
+    return []
+
+
 def ddp_refusal_case(rank: int, world: int, address: str) -> dict[str, Any]:
     """DDP with the hook and many buckets, a 60 s op timeout: at step 1 rank 0's worker refuses
     that rank's first bucket. What each rank's backward raises and how fast, and whether the
@@ -940,16 +954,90 @@ def ddp_refusal_case(rank: int, world: int, address: str) -> dict[str, Any]:
     with Worker(address, rank=rank, world_size=world, job=f"ddp-refusal-{world}", timeout=60) as w:
         state = OmniReduceState(w)
         model.register_comm_hook(state, omnireduce_hook)
-        errors = []
-        for step in range(3):
-            if step == 1 and rank == 0:
-                state.worker = RefuseAt(w, at=0)
+
+        def step(n: int) -> None:
             model.zero_grad()
-            start = time.monotonic()
-            try:
-                _loss(model, rank, step).backward()
-            except RuntimeError as e:
-                errors.append((step, str(e), time.monotonic() - start))
-                break
+            _loss(model, rank, n).backward()
+
+        errors = _until_refused(rank, state, w, step)
         after = w.allreduce(torch.ones(4) * (rank + 1))
         return {"errors": errors, "state_error": repr(state.error), "buckets": state.buckets, "after": after}
+
+
+def p2p_case(rank: int, world: int, address: str) -> dict[str, Any]:
+    """Point-to-point messages on gloo (the default group) and on an omnireduce group, the
+    same calls on each: {name: (gloo's received tensors, omnireduce's)}, and what a refused
+    and a mismatched message raise on omnireduce.
+
+    A ring of ``batch_isend_irecv`` (every rank sends to the next, receives from the
+    previous), messages of several dtypes and shapes (empty, bfloat16, int64 beyond 2**53),
+    and two tags sent in one order and received in the other.
+    """
+    os.environ["OMNIREDUCE_ADDRESS"] = address
+    os.environ["OMNIREDUCE_TIMEOUT"] = "20"
+    ours = dist.new_group(backend="omnireduce")
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    g = torch.Generator().manual_seed(rank)
+    sent = [torch.randn(4, 3, generator=g), torch.randint(-2**62, 2**62, (7,), generator=g),
+            torch.randn(5, generator=g).to(torch.bfloat16), torch.zeros(0), torch.randn(2, 3, 4, generator=g)]
+    out: dict[str, Any] = {}
+    for name, group in (("gloo", dist.group.WORLD), ("omnireduce", ours)):
+        got = [torch.full_like(t, -1).contiguous() for t in sent]
+        ops = [dist.P2POp(dist.isend, t, nxt, group=group) for t in sent]
+        ops += [dist.P2POp(dist.irecv, t, prev, group=group) for t in got]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+        # Tags: rank 0 sends tag 1 then tag 0; rank 1 receives tag 0 then tag 1.
+        tagged = [torch.full((3,), -1.0), torch.full((3,), -1.0)]
+        if rank == 0:
+            reqs = [dist.isend(torch.full((3,), 1.0), 1, group=group, tag=1),
+                    dist.isend(torch.full((3,), 0.0), 1, group=group, tag=0)]
+            for req in reqs:
+                req.wait()
+        elif rank == 1:
+            dist.recv(tagged[0], 0, group=group, tag=0)
+            dist.recv(tagged[1], 0, group=group, tag=1)
+        out[name] = got + tagged
+    errors: dict[str, str] = {}
+    for name, call in (
+        # torch's dist.send checks this itself; the group is called directly.
+        ("self", lambda: ours.send([torch.ones(2)], rank, 0).wait()),
+        # Rank 1 receives a tensor one element short of what rank 0 sends: both fail, named.
+        ("short", lambda: dist.send(torch.ones(4), 1, group=ours) if rank == 0 else
+         dist.recv(torch.ones(3), 0, group=ours) if rank == 1 else None),
+    ):
+        try:
+            call()
+            errors[name] = ""
+        except Exception as e:  # noqa: BLE001 - the test checks the text
+            errors[name] = f"{type(e).__name__}: {e}"
+    out["errors"] = errors
+    # After the failed message, the pair's next one goes through.
+    after = torch.zeros(2)
+    if rank == 0:
+        dist.send(torch.full((2,), 7.0), 1, group=ours)
+    elif rank == 1:
+        dist.recv(after, 0, group=ours)
+    out["after"] = after
+    return out
+
+
+def reducer_refusal_case(rank: int, world: int, address: str) -> dict[str, Any]:
+    """GradientReducer (dense buckets, two sparse tables sent as one op, an unused layer) with a
+    60 s op timeout: at step 1 rank 0's worker refuses that rank's first op. What each rank's
+    step raises and how fast, and whether the ranks' next ops pair up."""
+    from worker import Worker
+    from worker.reducer import GradientReducer
+
+    model = _model(unused=True, rare=True, sparse=True)
+    with Worker(address, rank=rank, world_size=world, job=f"reducer-refusal-{world}", timeout=60) as w:
+        reducer = GradientReducer(model, w, bucket_cap_mb=0.01)
+
+        def step(n: int) -> None:
+            model.zero_grad()
+            _loss(model, rank, n).backward()
+            reducer.synchronize()
+
+        errors = _until_refused(rank, reducer, w, step)
+        after = w.allreduce(torch.ones(4) * (rank + 1))
+        return {"errors": errors, "error": repr(reducer.error), "buckets": reducer.num_buckets, "after": after}

@@ -16,7 +16,8 @@ tensor and reduce locally; ``reduce`` is an all_reduce that only the root keeps,
 ``broadcast``, ``all_gather``, ``gather``, ``scatter`` and ``barrier`` are built
 on the same sum: a tensor's bytes travel as uint8, zero on every rank but the
 owner, so the sum reproduces them bit for bit, for any dtype; ``all_to_all`` gathers
-every rank's chunks that way. ``send`` and ``recv`` raise an error naming themselves.
+every rank's chunks that way. ``send`` and ``recv`` relay a message through the
+aggregator (:mod:`worker.p2p`); ``recv`` from any source raises an error naming itself.
 
 Every failure of a collective (a mismatch between ranks, a timeout, a lost
 peer, a refusal) fails its ``Work``: ``wait()``, the future's ``wait()`` and
@@ -49,6 +50,7 @@ from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.api import Allreducer, connect
 from worker.autoload import BACKEND_NAME, register
 from worker.futures import Settable
+from worker.p2p import PeerLinks
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,14 @@ def _dense(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.is_sparse or t.device.type != "cpu":
         raise CollectiveError(f"{what}: the omnireduce backend takes dense CPU tensors here, not a {t.layout} "
                               f"tensor on {t.device}")
+    return t
+
+
+def _strided(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``, refused if it is sparse (a collective that moves a tensor's bytes)."""
+    if t.is_sparse:
+        raise CollectiveError(f"{what}: the omnireduce backend moves the bytes of dense tensors here, not of a "
+                              f"{t.layout} tensor")
     return t
 
 
@@ -293,6 +303,9 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         self._world = world_size
         self.worker = worker
         self.samples: float | None = None
+        # send/recv's pair workers, made on the first message.
+        self._p2p: PeerLinks | None = None
+        self._p2p_lock = threading.Lock()
         # torch keeps a group's name in its backends; this group is its own backend.
         self._name = ""
         self._desc = ""
@@ -325,10 +338,18 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         return self._desc
 
     def shutdown(self) -> None:
+        self._close_links()
         self.worker.close()
 
     def abort(self) -> None:
+        self._close_links()
         self.worker.close()
+
+    def _close_links(self) -> None:
+        with self._p2p_lock:
+            links, self._p2p = self._p2p, None
+        if links is not None:
+            links.close()
 
     def __repr__(self) -> str:
         return f"OmniReduceProcessGroup(rank={self._rank}, world={self._world}, job={self.worker.job!r})"
@@ -344,7 +365,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         except OmniReduceError as e:
             return _failed(e)
 
-    def _refuse(self, error: CollectiveError, ops: list[torch.Tensor]) -> NoReturn:
+    def _refuse(self, error: CollectiveError, ops: list[torch.Tensor], op: Any = None) -> NoReturn:
         """Raises ``error``, this rank's refusal of a collective's arguments, once the ops the
         collective would have sent are failed on every rank (the other ranks raise at once,
         naming this rank, and their later ops keep their numbers in step).
@@ -353,9 +374,12 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             error: why.
             ops: one entry per op the collective sends when its arguments are good: what it
                 would have summed, or a tensor of its size (:func:`_sized`).
+            op: the reduction, for a collective that reduces: an AVG is weighted by
+                :attr:`samples` (a sharded worker sends weighted ops to every shard).
         """
+        weight = self.samples if op == dist.ReduceOp.AVG else None
         for x in ops:
-            self.worker.refuse(error, x)
+            self.worker.refuse(error, x, weight=weight)
         raise error
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
@@ -377,7 +401,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                     raise CollectiveError(f"the omnireduce backend supports CPU tensors, not {t.device} ({what})")
                 _check_reducible(t, op, what, "all_reduce")
         except CollectiveError as e:
-            self._refuse(e, [self._wire(t, op) for t in tensors])
+            self._refuse(e, [self._wire(t, op) for t in tensors], op)
         return self._work([self._reduced(t, op, what, "all_reduce") for t in tensors], tensors, what)
 
     def _reduced(self, t: torch.Tensor, op: Any, what: str,
@@ -448,6 +472,11 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         what = f"broadcast from rank {root} of {_describe(tensors)}"
+        try:
+            for t in tensors:
+                _strided(t, what)
+        except CollectiveError as e:
+            self._refuse(e, [_sized(t.numel() * t.element_size()) for t in tensors])
         parts = []
         for t in tensors:
             values = _bytes_of(t)
@@ -465,6 +494,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         try:
             _same_count(output_tensors, input_tensors, what)
             for outs, t in zip(output_tensors, input_tensors, strict=True):
+                _strided(t, what)
                 if len(outs) != self._world:
                     raise CollectiveError(f"all_gather needs {self._world} output tensors, got {len(outs)}")
                 self._check_outputs(outs, t, what)
@@ -515,9 +545,10 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> Any:
         # output_lists[r][i]: rank r's tensor i.
-        if len(output_lists) != self._world:
-            self._refuse(CollectiveError(f"all_gather_coalesced needs {self._world} output lists, got "
-                                         f"{len(output_lists)}"), [self._gathered(t) for t in inputs])
+        if len(output_lists) != self._world or any(len(outs) != len(inputs) for outs in output_lists):
+            self._refuse(CollectiveError(f"all_gather_coalesced needs {self._world} output lists of "
+                                         f"{len(inputs)} tensors, got {[len(outs) for outs in output_lists]}"),
+                         [self._gathered(t) for t in inputs])
         return self.allgather([[outs[i] for outs in output_lists] for i in range(len(inputs))], inputs, opts)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
@@ -525,6 +556,8 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         what = f"gather to rank {root} of {_describe(input_tensors)}"
         try:
+            for t in input_tensors:
+                _strided(t, what)
             if self._rank == root and (len(output_tensors) != len(input_tensors)
                                        or any(len(outs) != self._world for outs in output_tensors)):
                 raise CollectiveError(f"{what}: the root needs {self._world} output tensors per input")
@@ -549,10 +582,17 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                 opts: Any = None) -> Any:
         root = opts.rootRank if opts is not None else 0
         what = f"scatter from rank {root} of {_describe(output_tensors)}"
-        if self._rank == root and (len(input_tensors) != len(output_tensors)
-                                   or any(len(ins) != self._world for ins in input_tensors)):
-            self._refuse(CollectiveError(f"{what}: the root needs {self._world} input tensors per output"),
-                         [self._gathered(t) for t in output_tensors])
+        try:
+            for t in output_tensors:
+                _strided(t, what)
+            if self._rank == root:
+                if len(input_tensors) != len(output_tensors) or any(len(ins) != self._world for ins in input_tensors):
+                    raise CollectiveError(f"{what}: the root needs {self._world} input tensors per output")
+                for ins in input_tensors:
+                    for t in ins:
+                        _strided(t, what)
+        except CollectiveError as e:
+            self._refuse(e, [self._gathered(t) for t in output_tensors])
         parts = []
         for i, t in enumerate(output_tensors):
             n = _bytes_of(t).numel()
@@ -578,7 +618,8 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         raise CollectiveError(
             f"the omnireduce backend does not support {name}; it supports all_reduce (SUM and AVG of float, "
             "integer and sparse tensors; MIN, MAX, PRODUCT, BAND, BOR, BXOR of dense ones), reduce, "
-            "reduce_scatter, broadcast, all_gather, all_to_all, gather, scatter and barrier"
+            "reduce_scatter, broadcast, all_gather, all_to_all, gather, scatter, barrier, and send and recv "
+            "from a given rank"
         )
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
@@ -598,7 +639,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                 for i in ins:
                     _dense(i, what)
         except CollectiveError as e:
-            self._refuse(e, self._scattered(output_tensors, op))
+            self._refuse(e, self._scattered(output_tensors, op), op)
         pairs = [(out, torch.cat([i.reshape(-1) for i in ins]))
                  for out, ins in zip(output_tensors, input_tensors, strict=True)]
         return self._scatter_all(pairs, op, what)
@@ -616,7 +657,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                                       "elements")
             _dense(input, what)
         except CollectiveError as e:
-            self._refuse(e, self._scattered([output], op))
+            self._refuse(e, self._scattered([output], op), op)
         # A copy: the sum is made in place, and the input stays as it was.
         return self._scatter_all([(output, input.reshape(-1).clone())], op, what)
 
@@ -629,7 +670,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             for t in inputs:
                 _dense(t, what)
         except CollectiveError as e:
-            self._refuse(e, self._scattered(outputs, op))
+            self._refuse(e, self._scattered(outputs, op), op)
         pairs = [(out, t.reshape(-1).clone()) for out, t in zip(outputs, inputs, strict=True)]
         return self._scatter_all(pairs, op, what)
 
@@ -647,7 +688,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                                           f"{self._world} x the output {_describe([out])}")
                 _check_reducible(flat, op, what, "reduce_scatter")
         except CollectiveError as e:
-            self._refuse(e, self._scattered([out for out, _ in pairs], op))
+            self._refuse(e, self._scattered([out for out, _ in pairs], op), op)
         parts = []
         for out, flat in pairs:
             src, reduce = self._reduced(flat, op, what, "reduce_scatter")
@@ -747,14 +788,50 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
         return src, received
 
-    def send(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("send")
+    # Point to point: each message an op of a job of the two ranks (see worker.p2p).
 
-    def recv(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("recv")
+    def _links(self) -> PeerLinks:
+        with self._p2p_lock:
+            if self._p2p is None:
+                self._p2p = PeerLinks(self.worker)
+            return self._p2p
+
+    def _message(self, tensors: list[torch.Tensor], peer: int, tag: int, sending: bool) -> Any:
+        src, dst = (self._rank, peer) if sending else (peer, self._rank)
+        what = f"{'send to' if sending else 'recv from'} rank {peer} (tag {tag}) of {_describe(tensors)}"
+        if not 0 <= peer < self._world or peer == self._rank:
+            raise CollectiveError(f"{what}: the peer must be another rank of the group's {self._world}")
+        links = self._links()
+        try:
+            for t in tensors:
+                _dense(t, what)
+        except CollectiveError as e:
+            for _ in tensors:
+                links.refuse(e, src, dst, tag)
+            raise
+        parts = []
+        for t in tensors:
+            data = _bytes_of(t) if sending else torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8)
+
+            def finish(out: torch.Tensor, t: torch.Tensor = t) -> None:
+                if not sending:
+                    t.copy_(_from_bytes(out, t))
+
+            try:
+                future = links.transfer(data, src, dst, tag)
+            except OmniReduceError as e:
+                future = _failed(e)
+            parts.append((future, finish))
+        return self._work(parts, tensors, what)
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's names
+        return self._message(tensors, dstRank, tag, sending=True)
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's names
+        return self._message(tensors, srcRank, tag, sending=False)
 
     def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("recv")
+        return self._unsupported("recv from any source")
 
 
 def _job_of(store: dist.Store, rank: int, group_id: str | None) -> str:

@@ -145,6 +145,12 @@ class Worker(SettingsView):
         """What this worker's ops moved."""
         return self._connection.stats
 
+    @property
+    def context(self) -> zmq.Context:
+        """The ZeroMQ context of this worker's connection (a worker of an ``inproc://``
+        address that this one reaches must share it)."""
+        return self._connection._ctx
+
     def __repr__(self) -> str:
         return f"Worker(rank={self.rank}, world_size={self.world_size}, job={self.job!r}, address={self.address!r})"
 

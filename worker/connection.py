@@ -109,7 +109,8 @@ class AbortRequest:
 
 def refusal_text(error: BaseException) -> str:
     """What an ABORT tells the other ranks of ``error``: its type and message, cut to fit."""
-    text = f"{type(error).__name__}: {error}"
+    # A message may hold what UTF-8 cannot encode (a surrogate-escaped file name): escaped here.
+    text = f"{type(error).__name__}: {error}".encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 3] + "..."
 
 
@@ -516,7 +517,13 @@ class Connection:
             return  # this connection may not take part in the job: the others hear that instead
         logger.info("worker rank %d of job %r op %d: refused here, telling the aggregator: %s", self.rank,
                     self.job, op, reason)
-        self._post(op, encode(Abort(self.job, self.rank, op, reason)))
+        try:
+            frames = encode(Abort(self.job, self.rank, op, reason))
+        except Exception:  # the refusal is raised to the caller anyway; the thread goes on
+            logger.exception("worker rank %d of job %r op %d: the ABORT could not be encoded", self.rank, self.job,
+                             op)
+            frames = encode(Abort(self.job, self.rank, op, "(a reason that could not be encoded)"))
+        self._post(op, frames)
 
     def _receive(self) -> None:
         pending = self._pending

@@ -225,11 +225,15 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
     chooser = None if state.rows is not None and state.rows.ever_held(bucket) else state._chooser
     parts = state.rows.bucket_parts(bucket) if state.rows is not None else None
     if state.error is not None:
+        path = "sparse" if parts is not None or (state.mode == "auto" and chooser is None) else state.mode
         if chooser is not None:
             # The other ranks may wait in the agreement: vote sparse, so that they go on to
-            # omnireduce (where this rank refuses the op) instead of blocking in gloo.
-            _, basis = chooser.plan(key, buf.numel(), buf.element_size())
-            _agree(state, key, "sparse", basis)
+            # omnireduce (where this rank refuses the op) instead of blocking in gloo; a verdict
+            # that stands (or a choice every rank makes alike) is followed as it is.
+            path, basis = chooser.plan(key, buf.numel(), buf.element_size())
+            path = _agree(state, key, "sparse" if basis is not None else path, basis)
+        if path == "dense":
+            return _skip_dense(state, what, buf)
         ops = [buf] if parts is None else [part.view for part in parts]
         return _skip(state, what, ops, key=key if parts is None else None)
     if parts is not None:
@@ -377,6 +381,16 @@ def _skipped(state: OmniReduceState, what: str, ops: list[torch.Tensor], key: An
 
 def _skip(state: OmniReduceState, what: str, ops: list[torch.Tensor], key: Any = None) -> torch.futures.Future:
     return Settable.failed(_skipped(state, what, ops, key))
+
+
+def _skip_dense(state: OmniReduceState, what: str, buf: torch.Tensor) -> torch.futures.Future:
+    """A bucket after an earlier failure whose path is the dense group: this rank still
+    joins the group's allreduce, which the other ranks run (gloo stays in step, and no
+    omnireduce op is numbered), and the bucket fails once it is done."""
+    error = CollectiveError(f"omnireduce {what} skipped after an earlier failure: {state.error}")
+    result = Settable()
+    _dense_allreduce(state, buf).add_done_callback(lambda _f: result.fail(error))
+    return result.future
 
 
 def _refused(state: OmniReduceState, what: str, e: Exception,

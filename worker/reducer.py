@@ -33,7 +33,7 @@ from torch import nn
 from omnireduce import config
 from omnireduce.errors import OmniReduceError
 from worker.api import Allreducer
-from worker.ddp import send_joined
+from worker.ddp import joined_size, send_joined
 from worker.embedding_rows import DEFAULT_VERIFY_EVERY, Part, RowTracker, divide_rows, tracker_of
 from worker.knownrows import KnownRows, dense_sum_of, known_rows
 
@@ -171,7 +171,8 @@ class GradientReducer:
             self.rows.remove()
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._enabled or self.error is not None:
+        # After a failure too: the buckets are then refused (see _op), in the same order.
+        if not self._enabled:
             return
         b = self._buckets[self._bucket_of[id(p)]]
         b.ready += 1
@@ -199,14 +200,27 @@ class GradientReducer:
                 flat.div_(world)
             inplace = own is not None
         b.buffer = flat
-        try:
-            if b.known is not None:
-                b.future = self.worker.allreduce_async(b.known, weight=weight)
-            else:
-                b.future = self.worker.allreduce_async(flat, weight=weight, key=("bucket", b.index), inplace=inplace)
-        except BaseException as e:
-            self.error = e
-            raise
+        if b.known is not None:
+            b.future = self._op(b.known, weight=weight)
+        else:
+            b.future = self._op(flat, weight=weight, key=("bucket", b.index), inplace=inplace)
+
+    def _op(self, x: object, **options: object) -> Future:
+        """A bucket's op, sent; or, once an op failed (``self.error``), refused: numbered and
+        failed on every rank (:meth:`worker.client.Worker.refuse`), so that a rank that has not
+        heard of the failure yet fails at once instead of at its timeout, and the ranks' ops
+        stay in step. A refusal by the worker (it numbered the op) fails the bucket, not the
+        gradient hook: the buckets after it are refused in turn."""
+        if self.error is None:
+            try:
+                return self.worker.allreduce_async(x, **options)
+            except Exception as e:
+                logger.error("GradientReducer: an op refused here: %s: %s", type(e).__name__, e)
+                self.error = e
+                return _failed(e)
+        error = OmniReduceError(f"skipped after an earlier failure: {self.error}")
+        self.worker.refuse(error, x, **options)
+        return _failed(error)
 
     def _launch_sparse(self, b: _Bucket, divide: bool, world: int) -> None:
         p = b.params[0]
@@ -223,14 +237,10 @@ class GradientReducer:
         else:
             # A dense gradient (the table's sparse flag turned off after the reducer was built): sent dense.
             b.buffer = grad.reshape(-1) / world if divide else grad.reshape(-1).clone()
-        try:
-            if b.future is None:
-                b.future = self.worker.allreduce_async(b.buffer, weight=self.samples, key=("sparse", b.index))
-            if b.index == self._last_sparse:
-                self._send_held()
-        except BaseException as e:
-            self.error = e
-            raise
+        if b.future is None:
+            b.future = self._op(b.buffer, weight=self.samples, key=("sparse", b.index))
+        if b.index == self._last_sparse:
+            self._send_held()
 
     def _send_held(self) -> None:
         """Sends the held sparse gradients: one op per (dtype, row width), in bucket order."""
@@ -239,16 +249,19 @@ class GradientReducer:
         for b, grad in held:
             assert b.future is not None
             groups.setdefault((grad.dtype, grad.shape[1]), []).append((grad, b.future))
-        pending = list(groups.values())
-        for k, items in enumerate(pending):
-            try:
-                send_joined(self.worker, items, self.samples)
-            except BaseException as e:
-                # This group's and the later ones' futures fail too: synchronize() must not wait on them.
-                for rest in pending[k:]:
-                    for _, future in rest:
-                        future.set_exception(e)
-                raise
+        for items in groups.values():
+            if self.error is None:
+                try:
+                    send_joined(self.worker, items, self.samples)
+                    continue
+                except Exception as e:  # refused (numbered) by send_joined or the worker
+                    logger.error("GradientReducer: a sparse op refused here: %s: %s", type(e).__name__, e)
+                    self.error = error = e
+            else:
+                error = OmniReduceError(f"skipped after an earlier failure: {self.error}")
+                self.worker.refuse(error, joined_size(items), weight=self.samples)
+            for _, future in items:
+                future.set_exception(error)
 
     def _rows_op(self, b: _Bucket, divide: bool, world: int) -> tuple[torch.Tensor, bool]:
         """Sets up a tracked table's op: its rows (``b.known``), or, once the table is dropped (or
@@ -286,12 +299,13 @@ class GradientReducer:
         Raises:
             OmniReduceError: a bucket's allreduce failed (also kept in ``self.error``).
         """
-        if self.error is not None:
-            raise OmniReduceError(f"gradient reduction failed earlier: {self.error}") from self.error
         try:
             while self._next < len(self._buckets):
                 self._launch(self._buckets[self._next])
                 self._next += 1
+            if self.error is not None:
+                # Every bucket of the step was refused (from the failure on): none is waited for.
+                raise OmniReduceError(f"gradient reduction failed earlier: {self.error}") from self.error
             for b in self._buckets:
                 assert b.future is not None and b.buffer is not None
                 out = b.future.result()
@@ -315,7 +329,8 @@ class GradientReducer:
                         p.grad.copy_(value)
                     offset += n
         except OmniReduceError as e:
-            self.error = e
+            if self.error is None:
+                self.error = e
             raise
         finally:
             for b in self._buckets:
@@ -352,6 +367,12 @@ def _own_gradient(b: _Bucket) -> torch.Tensor | None:
     """The flat view of a one-parameter bucket's gradient, if it can be summed in place."""
     g = b.params[0].grad if len(b.params) == 1 else None
     return g.view(-1) if g is not None and _in_place(g) else None
+
+
+def _failed(error: BaseException) -> Future:
+    failed: Future = Future()
+    failed.set_exception(error)
+    return failed
 
 
 def _flat(p: torch.Tensor) -> torch.Tensor:

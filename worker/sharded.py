@@ -273,12 +273,15 @@ class ShardedWorker(SettingsView):
 
         Raises:
             ConfigError: ``x`` is not supported, or ``inplace``/``out`` do not fit it.
-            WorkerClosedError: the worker is closed, or a shard refused an earlier op.
+            WorkerClosedError: the worker is closed, or a shard's connection was closed while
+                the others took an op (their op numbers no longer agree).
         """
         given = x
+        rows, dense = kwargs.pop("rows", None), kwargs.pop("dense", False)
         parts: int | None = None
+        key: Hashable | None = None
         try:
-            known = as_known(x, kwargs.pop("rows", None), kwargs.pop("dense", False), inplace, out, self.world_size)
+            known = as_known(x, rows, dense, inplace, out, self.world_size)
             if known is not None:
                 x = known
             parts, key = self._parts_for(x, kwargs)
@@ -298,7 +301,11 @@ class ShardedWorker(SettingsView):
             else:
                 chunks, chunk_kwargs, finish = self._split_host(x, inplace, out, parts)
         except Exception as e:
-            self.refuse(e, given if parts is None else None, parts=parts, **kwargs)
+            if parts is None:
+                # Sized as the other ranks size it: as a tensor of given rows where rows= or dense= was asked.
+                self.refuse(e, given, known=rows is not None or bool(dense), **kwargs)
+            else:
+                self.refuse(e, parts=parts, history=key)
             raise
         fut: Future = Future()
         # The thread is woken once every shard's request is queued and every callback set:
@@ -341,19 +348,24 @@ class ShardedWorker(SettingsView):
                         # fails or completes on every rank, with the numbers in step.
                         for j in targets[i + 1:]:
                             self.shards[j].refuse(e)
-                        self._advance(targets)
+                        self._advance(targets, key)
                     raise self._shard_error(k, e) from e
             self._advance(targets)
             if key is not None:
                 self._last_of[key] = gather
         return gather, shard_futures
 
-    def _advance(self, targets: list[int]) -> None:
-        """Counts an op that took ``targets`` (under ``_submit_lock``)."""
+    def _advance(self, targets: list[int], refused: Hashable | None = None) -> None:
+        """Counts an op that took ``targets`` (under ``_submit_lock``); ``refused``: the history
+        key of an op refused here, whose history is forgotten: on the other ranks its op failed,
+        and a failed op's density counts as 1, as no history does."""
         self._turn = (targets[-1] + 1) % len(self.shards)
         self._ops += 1
+        if refused is not None:
+            self._last_of.pop(refused, None)
 
-    def refuse(self, error: BaseException, x: Any = None, *, parts: int | None = None, **options: Any) -> None:
+    def refuse(self, error: BaseException, x: Any = None, *, parts: int | None = None, history: Hashable | None = None,
+               known: bool = False, **options: Any) -> None:
         """Takes the next op's numbers for an op this rank will not send, on the shards it would
         go to, and fails it on every rank (see :meth:`worker.client.Worker.refuse`).
 
@@ -364,14 +376,16 @@ class ShardedWorker(SettingsView):
                 without it, or if it is no tensor, every shard (with ``shard_bytes`` 0,
                 always right; else the others' op may take fewer, and the shards
                 beyond theirs are then out of step).
-            parts: how many shards, where known already.
+            parts: how many shards, where known already (then ``history``: the op's history key).
+            known: ``x`` was to be summed from given rows (``rows=`` or ``dense=True``): its
+                history is that of such ops.
             **options: the op's options (``weight``, ``key``, ...).
         """
         if parts is None:
             parts = len(self.shards)
             if x is not None:
                 try:
-                    parts = self._parts_for(x, options)[0]
+                    parts, history = self._parts_for(x, options, known=known)
                 except Exception:  # noqa: BLE001 - x is what was refused: every shard, then
                     logger.debug("sharded worker rank %d: no shard count for a refused op", self.rank, exc_info=True)
         with self._submit_lock:
@@ -380,7 +394,7 @@ class ShardedWorker(SettingsView):
             targets = [(self._turn + i) % len(self.shards) for i in range(parts)]
             for k in targets:
                 self.shards[k].refuse(error)
-            self._advance(targets)
+            self._advance(targets, history)
 
     def allreduce(self, x: Any, **options: Any) -> Any:
         """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
@@ -414,7 +428,7 @@ class ShardedWorker(SettingsView):
 
     # Splitting and joining.
 
-    def _parts_for(self, x: Any, kwargs: dict[str, Any]) -> tuple[int, Hashable | None]:
+    def _parts_for(self, x: Any, kwargs: dict[str, Any], known: bool = False) -> tuple[int, Hashable | None]:
         """How many shards an op of ``x`` goes to, and the key of its history.
 
         One per ``shard_bytes`` of its expected bytes (at least one): its dense size, or
@@ -432,7 +446,7 @@ class ShardedWorker(SettingsView):
             return nshards, None  # not a tensor: the split raises the error naming its type
         # No history without a key: ops of one size may be meant to run at once (DDP
         # buckets of equal size), and the next must not wait for the last.
-        kind = "known" if isinstance(x, KnownRows) else is_rows(x)
+        kind = "known" if known or isinstance(x, KnownRows) else is_rows(x)
         key = None if kwargs.get("key") is None else (kind, nbytes, kwargs["key"])
         expected = nbytes if key is None else nbytes * self._last_density(key)
         return max(1, min(nshards, math.ceil(expected / self.shard_bytes))), key

@@ -651,8 +651,21 @@ class Engine:
         world = op.world_size
         k = len(cur)
         none = np.zeros(world + 1, dtype=np.int64)
-        # A weighted op's sums are not the blocks; a rank holding every block is summed aligned.
-        if op.weights is not None or world < 2 or any(len(sel) == k for sel, _ in received.values()):
+        # The short last block stays last, among the shared.
+        short_last = k and lay.tail_length != lay.block_size and int(cur[-1]) == lay.num_blocks - 1
+        # A weighted op's sums are not the blocks.
+        if op.weights is not None or world < 2:
+            return None, none
+        if len(received) == 1:
+            # One rank sent every block of the stream (a point-to-point message; a tensor that
+            # only one rank holds there): its group is all of them, in their order, and it is
+            # sent none of them back.
+            (rank, _), = received.items()
+            groups = np.zeros(world + 1, dtype=np.int64)
+            groups[rank + 1 :] = k - 1 if short_last else k
+            return None, groups
+        # A rank holding every block (and others some of them) is summed aligned.
+        if any(len(sel) == k for sel, _ in received.values()):
             return None, none
         cover = np.zeros(k, dtype=np.int32)
         for sel, _ in received.values():
@@ -660,8 +673,8 @@ class Engine:
         owner = np.full(k, world, dtype=np.int64)
         for rank, (sel, _) in received.items():
             owner[sel[cover[sel] == 1]] = rank
-        if k and lay.tail_length != lay.block_size and int(cur[-1]) == lay.num_blocks - 1:
-            owner[-1] = world  # the short last block stays last, among the shared
+        if short_last:
+            owner[-1] = world
         if not (owner < world).any():
             return None, none
         order = np.argsort(owner, kind="stable")

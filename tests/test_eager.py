@@ -165,6 +165,22 @@ def test_an_eager_result_leaves_out_the_blocks_only_the_receiver_sent() -> None:
         assert [w.stats.union_density for w in ops] == [3 / 8, 3 / 8]
 
 
+@pytest.mark.parametrize("length", [32, 30], ids=["whole_blocks", "short_last_block"])
+def test_a_stream_only_one_rank_sent_is_not_sent_back_to_it(length: int) -> None:
+    # A point-to-point message: rank 1 sends every block, ranks 0 and 2 none. Only they receive
+    # the blocks (a short last block goes to every rank, as always).
+    xs = [np.zeros(length, np.float32) for _ in range(3)]
+    xs[1][:] = np.arange(length) + 1.0
+    for inplace in (False, True):
+        outs, ops, engine = run_allreduce([x.copy() for x in xs], DType.FLOAT32, block_size=4, message_blocks=8,
+                                          streams=1, inplace=inplace)
+        for out in outs:
+            np.testing.assert_array_equal(out, xs[1])
+        short = int(length % 4 != 0)
+        assert [w.stats.blocks_received for w in ops] == [8, short, 8]
+        assert engine.counters.blocks_out == 16 + short
+
+
 def test_weighted_eager_ops_send_every_sum() -> None:
     x0, x1 = np.zeros(32, np.float32), np.zeros(32, np.float32)
     x0[4:8], x1[24:28] = 1.0, 4.0

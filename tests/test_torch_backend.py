@@ -272,3 +272,17 @@ def test_wait_with_a_timeout_raises_while_the_collective_runs_and_not_after() ->
     # torch's C++ callers pass 0 for no timeout.
     assert work.wait(timedelta(0)) and work.wait(timedelta(seconds=1)) and work.is_success()
     torch.testing.assert_close(t, torch.ones(3))
+
+
+def test_send_after_shutdown_is_a_clear_error(agg) -> None:
+    from worker import Worker
+    from worker.backend import CollectiveError, OmniReduceProcessGroup
+
+    group = OmniReduceProcessGroup(0, 2, Worker(agg.address, rank=0, world_size=2, job="p2p-shut", timeout=5))
+    work = group.send([torch.ones(2)], 1, 0)  # opens the pair's link; never received
+    group.shutdown()
+    with pytest.raises(CollectiveError):
+        work.wait()  # failed by the shutdown, not left waiting
+    for call in (lambda: group.send([torch.ones(2)], 1, 0), lambda: group.recv([torch.ones(2)], 1, 0)):
+        with pytest.raises(CollectiveError, match="shut down"):
+            call()

@@ -303,8 +303,9 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         self._world = world_size
         self.worker = worker
         self.samples: float | None = None
-        # send/recv's pair workers, made on the first message.
+        # send/recv's pair workers, made on the first message (None again once shut down).
         self._p2p: PeerLinks | None = None
+        self._shut = False
         self._p2p_lock = threading.Lock()
         # torch keeps a group's name in its backends; this group is its own backend.
         self._name = ""
@@ -347,6 +348,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     def _close_links(self) -> None:
         with self._p2p_lock:
+            self._shut = True
             links, self._p2p = self._p2p, None
         if links is not None:
             links.close()
@@ -790,8 +792,10 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     # Point to point: each message an op of a job of the two ranks (see worker.p2p).
 
-    def _links(self) -> PeerLinks:
+    def _links(self, what: str) -> PeerLinks:
         with self._p2p_lock:
+            if self._shut:
+                raise CollectiveError(f"{what}: the process group is shut down")
             if self._p2p is None:
                 self._p2p = PeerLinks(self.worker)
             return self._p2p
@@ -801,7 +805,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         what = f"{'send to' if sending else 'recv from'} rank {peer} (tag {tag}) of {_describe(tensors)}"
         if not 0 <= peer < self._world or peer == self._rank:
             raise CollectiveError(f"{what}: the peer must be another rank of the group's {self._world}")
-        links = self._links()
+        links = self._links(what)
         try:
             for t in tensors:
                 _dense(t, what)

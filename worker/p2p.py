@@ -2,10 +2,20 @@
 
 A message from rank ``s`` to rank ``d`` with tag ``t`` is an op of a job of two
 workers of its own, ``<group job>.p2p.<s>-<d>.<t>``: the sender sums its tensor's
-bytes, the receiver zeros of the same length, so the sum is the sender's bytes.
-The aggregator sends a block that only one worker sent to the others only (never
-back to its sender), and the receiver's zero blocks are not sent at all: the bytes
-go up once from the sender and down once to the receiver, as through a relay.
+bytes, the receiver zeros of the same length (summed in place), so the sum is the
+sender's bytes. The receiver's zero blocks are not sent at all, and a message of
+one row of blocks (an eager op: up to ``message_blocks x streams`` blocks of
+``block_size`` bytes, 32 MiB by default) is sent by the aggregator to the receiver
+only, as a block that one worker alone sent is never sent back to it: the bytes go
+up once and down once, as through a relay. A larger message is also sent back to
+its sender.
+
+Until the receiver's ``recv`` arrives, a message is held by the aggregator (all of
+it, for an eager one): it counts against the aggregator's byte limits
+(``max_job_bytes`` per job, ``max_bytes`` in all, shared with every other job), so
+many large ``isend`` posted long before their ``irecv`` can fail with
+``LimitError``, and the aggregator's op timeout (its ``--timeout``, not the group's)
+bounds how long a message may wait for its ``recv``.
 
 Messages of one (sender, receiver, tag) pair up in call order, as torch's backends
 match them; each direction and tag has a job (and a connection) of its own, so an
@@ -20,7 +30,10 @@ matches messages by their job, which names the sender).
 Every rank reaches the pair jobs through the first aggregator of the group's worker
 (its first shard; a co-located group's is rank 0's), with the group's settings
 (token, generation, timeout, keys). Each (sender, receiver, tag) in use is a job
-there, and a connection on both sides: the aggregator's job limit bounds them.
+there, and a connection on both sides, until the group is destroyed: the
+aggregator's job limit (``max_jobs``, shared with every other job) and the
+processes' file descriptors bound them, so tags are for a few kinds of message,
+not one per step.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ import logging
 import threading
 from concurrent.futures import Future
 
-from omnireduce.errors import ConfigError
+from omnireduce.errors import ConfigError, WorkerClosedError
 from worker.api import Allreducer
 from worker.client import Worker
 from worker.loop import CommLoop
@@ -62,9 +75,9 @@ class PeerLinks:
 
     def transfer(self, x: object, src: int, dst: int, tag: int) -> Future:
         """Starts this rank's side of a message from ``src`` to ``dst``: ``x`` is the sender's
-        bytes, or the receiver's zeros of the same length; returns the op's future (the
-        sender's bytes, on both sides)."""
-        return self._link(src, dst, tag).allreduce_async(x)
+        bytes, or the receiver's zeros of the same length (which the sum is written into);
+        returns the op's future (the sender's bytes, on both sides)."""
+        return self._link(src, dst, tag).allreduce_async(x, inplace=self._settings.rank == dst)
 
     def refuse(self, error: BaseException, src: int, dst: int, tag: int) -> None:
         """Numbers a message this rank refuses and fails it on the other side too
@@ -75,7 +88,7 @@ class PeerLinks:
         key = (src, dst, tag)
         with self._lock:
             if self._closed:
-                raise ConfigError("the process group is shut down")
+                raise WorkerClosedError("the process group is shut down")
             link = self._links.get(key)
             if link is None:
                 if self._loop is None:

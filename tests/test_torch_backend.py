@@ -8,10 +8,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
 
 from aggregator import Aggregator  # noqa: E402
 from tests.helpers import run_procs  # noqa: E402
@@ -286,3 +288,131 @@ def test_send_after_shutdown_is_a_clear_error(agg) -> None:
     for call in (lambda: group.send([torch.ones(2)], 1, 0), lambda: group.recv([torch.ones(2)], 1, 0)):
         with pytest.raises(CollectiveError, match="shut down"):
             call()
+
+
+def _p2p_groups(agg: Any, job: str, world: int, timeout: float = 10) -> list[Any]:
+    from worker import Worker
+    from worker.backend import OmniReduceProcessGroup
+
+    store = dist.HashStore()  # one process plays every rank: the store is shared in memory
+    return [OmniReduceProcessGroup(r, world, Worker(agg.address, rank=r, world_size=world, job=job, timeout=timeout),
+                                   store=store) for r in range(world)]
+
+
+def test_recv_from_any_source_takes_a_message_no_other_recv_took(agg) -> None:
+    ranks = _p2p_groups(agg, "p2p-any", 3)
+    try:
+        sends = [ranks[1].send([torch.full((3,), 1.0)], 0, 0)]
+        # Rank 1's first message goes to the recv that names it, so the recv from any source
+        # that follows takes rank 2's, though rank 1's was counted first.
+        first = torch.zeros(3)
+        ranks[0].recv([first], 1, 0).wait()
+        sends.append(ranks[2].send([torch.full((3,), 2.0)], 0, 0))
+        got = torch.zeros(3)
+        work = ranks[0].recv_anysource([got], 0)
+        assert work._source_rank() == 2
+        torch.testing.assert_close(got, torch.full((3,), 2.0))
+        # A second message of rank 1, and one of another tag, which this recv does not take.
+        sends.append(ranks[2].send([torch.full((2,), 7.0)], 0, 5))
+        sends.append(ranks[1].send([torch.full((3,), 3.0)], 0, 0))
+        again = torch.zeros(3)
+        assert ranks[0].recv_anysource([again], 0)._source_rank() == 1
+        torch.testing.assert_close(again, torch.full((3,), 3.0))
+        tagged = torch.zeros(2)
+        assert ranks[0].recv_anysource([tagged], 5)._source_rank() == 2
+        torch.testing.assert_close(tagged, torch.full((2,), 7.0))
+        for s in sends:
+            s.wait()
+        torch.testing.assert_close(first, torch.full((3,), 1.0))
+    finally:
+        for g in ranks:
+            g.shutdown()
+
+
+def test_recv_from_any_source_fails_clearly(agg) -> None:
+    from worker.backend import CollectiveError
+
+    ranks = _p2p_groups(agg, "p2p-any-fail", 2, timeout=1)
+    try:
+        for tensors, match in (([torch.ones(2), torch.ones(2)], "one tensor"),
+                               ([torch.ones(4).to_sparse()], "dense")):
+            with pytest.raises(CollectiveError, match=match):
+                ranks[0].recv_anysource(tensors, 0)
+        # Nobody sends: the group's op timeout (1 s here) ends it, naming the ranks.
+        t0 = time.monotonic()
+        work = ranks[0].recv_anysource([torch.zeros(2)], 0)
+        with pytest.raises(CollectiveError, match=r"OpTimeoutError.*no rank sent a message within 1 s.*ranks=\[1\]"):
+            work.wait()
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(CollectiveError, match="OpTimeoutError"):
+            work._source_rank()
+        # A message sent after that timeout is still taken by the next recv.
+        send = ranks[1].send([torch.full((2,), 4.0)], 0, 0)
+        t = torch.zeros(2)
+        assert ranks[0].recv_anysource([t], 0)._source_rank() == 1
+        send.wait()
+        torch.testing.assert_close(t, torch.full((2,), 4.0))
+        # One still waiting when the group shuts down fails then, not at its timeout.
+        waiting = ranks[0].recv_anysource([torch.zeros(2)], 0)
+        ranks[0].shutdown()
+        with pytest.raises(CollectiveError, match="shut down"):
+            waiting.wait()
+        with pytest.raises(CollectiveError, match="only a recv from any source"):
+            ranks[1].send([torch.ones(1)], 0, 3)._source_rank()
+    finally:
+        for g in ranks:
+            g.shutdown()
+
+
+def test_recv_from_any_source_serves_tags_apart_and_senders_in_turn(agg) -> None:
+    ranks = _p2p_groups(agg, "p2p-any-turn", 3)
+    try:
+        # Posted for tag 1 first, while rank 1 sends tag 0 first: each tag is served on its own,
+        # so neither waits for the other (a send completes once it is received).
+        one, zero = torch.zeros(1), torch.zeros(1)
+        w1, w0 = ranks[0].recv_anysource([one], 1), ranks[0].recv_anysource([zero], 0)
+        sends = [ranks[1].send([torch.full((1,), 10.0)], 0, 0), ranks[1].send([torch.full((1,), 11.0)], 0, 1)]
+        assert (w0._source_rank(), w1._source_rank()) == (1, 1)
+        torch.testing.assert_close((zero, one), (torch.full((1,), 10.0), torch.full((1,), 11.0)))
+        # Rank 1 has two messages waiting and rank 2 one: the senders are taken in turn.
+        sends += [ranks[1].send([torch.full((1,), 1.0)], 0, 2), ranks[1].send([torch.full((1,), 1.5)], 0, 2),
+                  ranks[2].send([torch.full((1,), 2.0)], 0, 2)]
+        got = [torch.zeros(1) for _ in range(3)]
+        works = [ranks[0].recv_anysource([g], 2) for g in got]
+        sources = [w._source_rank() for w in works]
+        torch.testing.assert_close(got, [torch.full((1,), float(v)) for v in (1.0, 2.0, 1.5)])
+        assert sources == [1, 2, 1]
+        for s in sends:
+            s.wait()
+    finally:
+        for g in ranks:
+            g.shutdown()
+
+
+def test_a_send_whose_count_the_store_refuses_sends_nothing(agg) -> None:
+    from worker import Worker
+    from worker.backend import CollectiveError, OmniReduceProcessGroup
+
+    class BrokenStore:
+        def add(self, key: str, n: int) -> int:
+            raise RuntimeError("store is gone")
+
+    store = BrokenStore()
+    ranks = [OmniReduceProcessGroup(r, 2, Worker(agg.address, rank=r, world_size=2, job="p2p-store", timeout=5),
+                                    store=store) for r in range(2)]
+    try:
+        with pytest.raises(CollectiveError, match="nothing was sent.*store is gone"):
+            ranks[1].send([torch.ones(2)], 0, 0).wait()
+        with pytest.raises(CollectiveError, match="store failed.*store is gone"):
+            ranks[0].recv_anysource([torch.zeros(2)], 0).wait()
+        # The pair link took no message: a send counted by a store that works goes through.
+        ranks[1]._store = ranks[0]._store = dist.HashStore()
+        for g in ranks:
+            g._p2p._store = g._store
+        send, t = ranks[1].send([torch.full((2,), 5.0)], 0, 0), torch.zeros(2)
+        ranks[0].recv([t], 1, 0).wait()
+        send.wait()
+        torch.testing.assert_close(t, torch.full((2,), 5.0))
+    finally:
+        for g in ranks:
+            g.shutdown()

@@ -9,10 +9,7 @@ selection, one pytest case per torch test:
 * :data:`PASSING` (at ``WORLD_SIZE`` 2), :data:`PASSING_4` (at 4: torch runs them only at
   exactly 4 ranks) and :data:`PASSING_GROUP` (at 8: torch runs its ``*_group`` tests, whose
   subgroup is ranks [1, 2], only from 8 ranks up) must pass.
-* :data:`UNSUPPORTED` must fail, every failing rank with the backend's clear error
-  naming the collective (``the omnireduce backend does not support reduce``), or, on
-  the other ranks, with the error of an op whose peer left (``PeerLostError``...).
-* :data:`PENDING_BACKEND_FIXES`: tests of the two lists above that fail today because
+* :data:`PENDING_BACKEND_FIXES`: tests of the lists above that fail today because
   the backend lacks something; they run as ``xfail(strict=True)``, so once the backend
   is fixed they XPASS, which fails, until they are removed from the constant.
 * :data:`EXCLUDED`: every other test of the suite, with the reason (mostly: torch
@@ -20,7 +17,7 @@ selection, one pytest case per torch test:
   checks that the lists cover the whole suite exactly, so a torch upgrade that
   adds a test fails here until someone sorts it.
 
-The reference is gloo: every test of PASSING, PASSING_4, PASSING_GROUP and UNSUPPORTED
+The reference is gloo: every test of PASSING, PASSING_4 and PASSING_GROUP
 passes on gloo here (``python -m tests.dist_conformance --backend gloo NAMES``; with
 ``--all``, the whole suite: 90 pass at WORLD_SIZE 2, the rest skip, in about 75 s; at 4,
 93 pass, PASSING_4 and the gloo-only tests of EXCLUDED among them, in about 85 s). To rerun one test
@@ -36,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -96,6 +92,8 @@ PASSING: list[str] = [
     "test_send_recv_with_tag", "test_send_recv_with_tag_autograd_profiler", "test_send_recv_with_tag_torch_profiler",
     "test_isend", "test_irecv", "test_isend_autograd_profiler", "test_isend_torch_profiler",
     "test_batch_isend_irecv_gloo", "test_batch_isend_irecv_gloo_tags",
+    "test_send_recv_any_source", "test_send_recv_any_source_autograd_profiler",
+    "test_send_recv_any_source_torch_profiler",
 ]
 
 # Run at EXACT_WORLD_SIZE ranks: torch skips them at any other world size.
@@ -113,13 +111,6 @@ PASSING_GROUP: list[str] = [
     "test_gather_group", "test_scatter_group", "test_reduce_group_sum", "test_reduce_group_min",
     "test_reduce_group_max", "test_reduce_group_product",
 ]
-
-_ANY_SOURCE = "recv from any source"
-# test name: the collective (a regular expression) that its clear error must name.
-UNSUPPORTED: dict[str, str] = {
-    "test_send_recv_any_source": _ANY_SOURCE, "test_send_recv_any_source_autograd_profiler": _ANY_SOURCE,
-    "test_send_recv_any_source_torch_profiler": _ANY_SOURCE,
-}
 
 # Tests that fail today and must pass once the backend is fixed (xfail, strict; remove a test
 # from here once it XPASSes): none left.
@@ -318,9 +309,6 @@ _SKIPPED_ON_GLOO: dict[str, list[str]] = {
 EXCLUDED: dict[str, str] = {**_NOT_OURS, **{name: f"skips on gloo here: {why}" for why, names in
                                             _SKIPPED_ON_GLOO.items() for name in names}}
 
-_CLEAR = "CollectiveError: the omnireduce backend does not support ({})\\b"
-# What a rank gets when another rank left its collective (after failing on the unsupported one).
-_CONSEQUENTIAL = re.compile(r"\b(PeerLostError|OpTimeoutError|ConnectionLostError)\b")
 
 
 def _world_size(name: str) -> int:
@@ -331,7 +319,7 @@ def _world_size(name: str) -> int:
 
 def _cases() -> list[Any]:
     cases = []
-    for name in PASSING + PASSING_4 + PASSING_GROUP + list(UNSUPPORTED):
+    for name in PASSING + PASSING_4 + PASSING_GROUP:
         marks = [pytest.mark.xfail(strict=True, reason=PENDING_BACKEND_FIXES[name])] \
             if name in PENDING_BACKEND_FIXES else []
         cases.append(pytest.param(name, marks=marks, id=name))
@@ -368,7 +356,7 @@ def conformance(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     out = tmp_path_factory.mktemp("torch_conformance")
     results: dict[str, Any] = {}
     for world_size in (WORLD_SIZE, EXACT_WORLD_SIZE, GROUP_WORLD_SIZE):
-        names = [n for n in PASSING + PASSING_4 + PASSING_GROUP + list(UNSUPPORTED) if n in selected and
+        names = [n for n in PASSING + PASSING_4 + PASSING_GROUP if n in selected and
                  _world_size(n) == world_size]
         if names:
             got, runner = _run_conformance(names, world_size, out)
@@ -386,22 +374,14 @@ def _describe(r: dict[str, Any]) -> str:
 @pytest.mark.parametrize("name", _cases())
 def test_torch_distributed_test(conformance: dict[str, Any], name: str) -> None:
     r = conformance[name]
-    if name not in UNSUPPORTED:
-        assert r["outcome"] == "PASS", _describe(r)
-        return
-    errors = r.get("rank_errors") or {}
-    assert r["outcome"] in ("FAIL", "ERROR") and errors, f"expected every rank to fail, got {_describe(r)}"
-    clear = re.compile(_CLEAR.format(UNSUPPORTED[name]))
-    assert any(clear.search(e) for e in errors.values()), f"no rank failed with {clear.pattern!r}: {_describe(r)}"
-    others = {rank: e for rank, e in errors.items() if not clear.search(e) and not _CONSEQUENTIAL.search(e)}
-    assert not others, f"ranks failed with another error than {clear.pattern!r}: {others}"
+    assert r["outcome"] == "PASS", _describe(r)
 
 
 def test_lists_are_consistent() -> None:
-    run = PASSING + PASSING_4 + PASSING_GROUP + list(UNSUPPORTED)
+    run = PASSING + PASSING_4 + PASSING_GROUP
     assert len(run) == len(set(run)), "a test is listed twice"
     assert not set(run) & set(EXCLUDED), "a test is both run and excluded"
-    assert set(PENDING_BACKEND_FIXES) <= set(run), "a pending test must say what it should do (PASSING or UNSUPPORTED)"
+    assert set(PENDING_BACKEND_FIXES) <= set(run), "a pending test must be one that should pass"
 
 
 def test_every_torch_test_is_accounted_for() -> None:
@@ -410,6 +390,6 @@ def test_every_torch_test_is_accounted_for() -> None:
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     suite = set(proc.stdout.split())
-    listed = set(PASSING + PASSING_4 + PASSING_GROUP) | set(UNSUPPORTED) | set(EXCLUDED)
+    listed = set(PASSING + PASSING_4 + PASSING_GROUP) | set(EXCLUDED)
     assert suite - listed == set(), "tests of torch's suite in none of the lists (sort them)"
     assert listed - suite == set(), "listed tests that torch's suite does not have"

@@ -275,11 +275,22 @@ def backend_case(rank: int, world: int, address: str, steps: int = 4) -> dict[st
     dist.all_gather(gathered, torch.tensor([rank, -0.5], dtype=torch.float16), group=group)
     out["all_gather"] = gathered
     dist.barrier(group=group)
-    try:
-        dist.recv(torch.zeros(1), group=group)  # from any source
-        out["unsupported"] = None
-    except Exception as e:  # noqa: BLE001 - the test checks the message
-        out["unsupported"] = str(e)
+    # recv from any source: rank 0 takes one message of each other rank, in whichever order
+    # they come, then a tagged one through irecv.
+    if rank == 0:
+        got: dict[str, Any] = {}
+        for _ in range(world - 1):
+            t = torch.full((3,), -1.0)
+            got[f"recv from {dist.recv(t, group=group)}"] = t
+        t = torch.full((2,), -1.0)
+        work = dist.irecv(t, group=group, tag=4)
+        work.wait()
+        got[f"irecv from {work._source_rank()}"] = t
+        out["any_source"] = got
+    else:
+        dist.send(torch.full((3,), float(rank)), 0, group=group)
+        if rank == world - 1:
+            dist.send(torch.full((2,), 9.0), 0, group=group, tag=4)
     ref = DDP(_model(), bucket_cap_mb=0.01)
     ours = DDP(_model(), bucket_cap_mb=0.01, process_group=group)
     out["expected"] = _train_ddp(ref, rank, steps, accumulate=False)

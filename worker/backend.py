@@ -17,7 +17,8 @@ tensor and reduce locally; ``reduce`` is an all_reduce that only the root keeps,
 on the same sum: a tensor's bytes travel as uint8, zero on every rank but the
 owner, so the sum reproduces them bit for bit, for any dtype; ``all_to_all`` gathers
 every rank's chunks that way. ``send`` and ``recv`` relay a message through the
-aggregator (:mod:`worker.p2p`); ``recv`` from any source raises an error naming itself.
+aggregator (:mod:`worker.p2p`), ``recv`` from any source too (its sender found through
+the group's store).
 
 Every failure of a collective (a mismatch between ranks, a timeout, a lost
 peer, a refusal) fails its ``Work``: ``wait()``, the future's ``wait()`` and
@@ -178,10 +179,13 @@ class OmniReduceWork(dist._Work):
             failed collective changes no tensor.
         value: the future's value once every part finished.
         what: names the collective in error messages.
+        source: a recv from any source's: its ``finish`` appends the sender's rank.
     """
 
-    def __init__(self, parts: list[tuple[ConcurrentFuture, Callable[[Any], None]]], value: Any, what: str) -> None:
+    def __init__(self, parts: list[tuple[ConcurrentFuture, Callable[[Any], None]]], value: Any, what: str,
+                 source: list[int] | None = None) -> None:
         super().__init__()
+        self._source = source
         self._result = Settable()
         self._what = what
         self._value = value
@@ -264,6 +268,16 @@ class OmniReduceWork(dist._Work):
     def get_future(self) -> torch.futures.Future:
         return self._result.future
 
+    def _source_rank(self) -> int:
+        """The rank a recv from any source took its message from (torch's ``recv`` and
+        ``irecv`` callers ask it); waits for the receive first."""
+        if self._source is None:
+            raise CollectiveError(f"omnireduce {self._what}: only a recv from any source has a source rank")
+        self.wait()
+        return self._source[0]
+
+    source_rank = _source_rank
+
     def is_completed(self) -> bool:
         return self._result.future.done()
 
@@ -289,6 +303,8 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         rank: this process's rank.
         world_size: the number of processes.
         worker: the connected worker of this rank (owned and closed by the group).
+        store: the group's store (torch's ``Store``): ``send`` counts its messages there,
+            for ``recv`` from any source (:mod:`worker.p2p`); None: no such receives.
 
     Attributes:
         samples: this rank's sample count for the current step, or None. When set,
@@ -297,11 +313,12 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             batches then average to the gradient of the global batch.
     """
 
-    def __init__(self, rank: int, world_size: int, worker: Allreducer) -> None:
+    def __init__(self, rank: int, world_size: int, worker: Allreducer, store: Any = None) -> None:
         super().__init__(rank, world_size)
         self._rank = rank
         self._world = world_size
         self.worker = worker
+        self._store = store
         self.samples: float | None = None
         # send/recv's pair workers, made on the first message (None again once shut down).
         self._p2p: PeerLinks | None = None
@@ -616,14 +633,6 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         reduce_opts.reduceOp = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
         return self.allreduce(tensors if self._rank == root else [t.clone() for t in tensors], reduce_opts)
 
-    def _unsupported(self, name: str) -> Any:
-        raise CollectiveError(
-            f"the omnireduce backend does not support {name}; it supports all_reduce (SUM and AVG of float, "
-            "integer and sparse tensors; MIN, MAX, PRODUCT, BAND, BOR, BXOR of dense ones), reduce, "
-            "reduce_scatter, broadcast, all_gather, all_to_all, gather, scatter, barrier, and send and recv "
-            "from a given rank"
-        )
-
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> Any:
         # An all_reduce of the inputs laid end to end, of which each rank keeps its own piece:
@@ -797,7 +806,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             if self._shut:
                 raise CollectiveError(f"{what}: the process group is shut down")
             if self._p2p is None:
-                self._p2p = PeerLinks(self.worker)
+                self._p2p = PeerLinks(self.worker, self._store)
             return self._p2p
 
     def _message(self, tensors: list[torch.Tensor], peer: int, tag: int, sending: bool) -> Any:
@@ -806,26 +815,29 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         if not 0 <= peer < self._world or peer == self._rank:
             raise CollectiveError(f"{what}: the peer must be another rank of the group's {self._world}")
         links = self._links(what)
-        try:
-            for t in tensors:
-                _dense(t, what)
-        except CollectiveError as e:
-            for _ in tensors:
-                links.refuse(e, src, dst, tag)
-            raise
-        parts = []
-        for t in tensors:
-            data = _bytes_of(t) if sending else torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8)
-
-            def finish(out: torch.Tensor, t: torch.Tensor = t) -> None:
-                if not sending:
-                    t.copy_(_from_bytes(out, t))
-
+        # A receive of several tensors posts them back to back: a receive from any source
+        # polling beside it does not take one of its sender's messages in between.
+        with links.posting():
             try:
-                future = links.transfer(data, src, dst, tag)
-            except OmniReduceError as e:
-                future = _failed(e)
-            parts.append((future, finish))
+                for t in tensors:
+                    _dense(t, what)
+            except CollectiveError as e:
+                for _ in tensors:
+                    links.refuse(e, src, dst, tag)
+                raise
+            parts = []
+            for t in tensors:
+                data = _bytes_of(t) if sending else torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8)
+
+                def finish(out: torch.Tensor, t: torch.Tensor = t) -> None:
+                    if not sending:
+                        t.copy_(_from_bytes(out, t))
+
+                try:
+                    future = links.transfer(data, src, dst, tag)
+                except OmniReduceError as e:
+                    future = _failed(e)
+                parts.append((future, finish))
         return self._work(parts, tensors, what)
 
     def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's names
@@ -834,8 +846,33 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int = 0) -> Any:  # noqa: N803 - torch's names
         return self._message(tensors, srcRank, tag, sending=False)
 
-    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("recv from any source")
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        """Receives one tensor from a rank with a message of ``tag`` not received yet, the
+        ranks taken in turn (:mod:`worker.anysource`); the Work's ``_source_rank()`` names
+        that rank, as torch's ``recv(src=None)`` asks."""
+        what = f"recv from any source (tag {tag}) of {_describe(tensors)}"
+        if len(tensors) != 1:
+            raise CollectiveError(f"{what}: takes one tensor, as gloo's does")
+        t = tensors[0]
+        _dense(t, what)
+        if self._store is None:
+            raise CollectiveError(f"{what}: this process group was made without a store")
+        if self._world < 2:
+            raise CollectiveError(f"{what}: the group has no other rank")
+        links = self._links(what)
+        data = torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8)
+        try:
+            future = links.receive_any(data, tag, [r for r in range(self._world) if r != self._rank])
+        except OmniReduceError as e:
+            future = _failed(e)
+        source: list[int] = []
+
+        def finish(got: tuple[int, torch.Tensor]) -> None:
+            src, out = got
+            t.copy_(_from_bytes(out, t))
+            source.append(src)
+
+        return OmniReduceWork([(future, finish)], tensors, what, source=source)
 
 
 def _job_of(store: dist.Store, rank: int, group_id: str | None) -> str:
@@ -887,7 +924,7 @@ def create_process_group(opts: Any, pg_options: Any = None) -> OmniReduceProcess
         worker = connect(rank=rank, world_size=world, job=job, timeout=_timeout_of(opts))
     except ConfigError as e:
         raise ConfigError(f"cannot create the omnireduce process group: {e}") from e
-    return OmniReduceProcessGroup(rank, world, worker)
+    return OmniReduceProcessGroup(rank, world, worker, store=opts.store)
 
 
 # Registered here too for code that imports this module without torch's entry points

@@ -24,8 +24,16 @@ different tags do not wait for each other. A send completes once the receiver's
 ``recv`` has taken it (gloo's completes once the bytes are on their way): a rank
 that sends to a peer which first sends back (both ``send`` before either
 ``recv``) waits until the op timeout; ``isend`` those, or use
-``batch_isend_irecv``. ``recv`` from any source is not supported (the aggregator
-matches messages by their job, which names the sender).
+``batch_isend_irecv``.
+
+``recv`` from any source finds its sender through the group's store: every message
+sent adds one to a counter of its (sender, receiver, tag) there first (one store
+round trip per send, about 0.1 ms on loopback), and the receiver takes its message
+from a sender whose count is ahead of the receives it has posted for it
+(:mod:`worker.anysource`). A receive posted for a given sender before one from any
+source takes that sender's next message first, as gloo's does. An argument error of
+a receive from any source is raised before any sender is chosen, so it fails on the
+receiver only (the sender's message then waits for the next receive, or its timeout).
 
 Every rank reaches the pair jobs through the first aggregator of the group's worker
 (its first shard; a co-located group's is rank 0's), with the group's settings
@@ -41,9 +49,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import Any
 
-from omnireduce.errors import ConfigError, WorkerClosedError
+from omnireduce.errors import ConfigError, OmniReduceError, WorkerClosedError
+from worker.anysource import AnySource
 from worker.api import Allreducer
 from worker.client import Worker
 from worker.loop import CommLoop
@@ -59,9 +70,11 @@ class PeerLinks:
 
     Args:
         worker: the group's worker (its first aggregator and settings are used).
+        store: the group's store (``torch.distributed.Store``), where the messages sent are
+            counted for ``recv`` from any source; None: neither counted nor such receives.
     """
 
-    def __init__(self, worker: Allreducer) -> None:
+    def __init__(self, worker: Allreducer, store: Any = None) -> None:
         first = worker.shards[0] if hasattr(worker, "shards") else worker
         if not isinstance(first, Worker):
             raise ConfigError(f"send and recv need a worker of an aggregator, not {type(first).__name__}")
@@ -72,17 +85,113 @@ class PeerLinks:
         self._loop: CommLoop | None = None
         self._links: dict[tuple[int, int, int], Worker] = {}
         self._closed = False
+        self._store = store
+        # Receives posted per (src, dst, tag), counted with the posting itself (under the
+        # lock), so that a recv from any source compares the senders' counts with them.
+        self._posted: dict[tuple[int, int, int], int] = {}
+        self._post_lock = threading.RLock()
+        self._any: AnySource | None = None
+
+    @property
+    def rank(self) -> int:
+        """This rank (in the group)."""
+        return self._settings.rank
+
+    @property
+    def job(self) -> str:
+        """The group's job id."""
+        return self._settings.job
 
     def transfer(self, x: object, src: int, dst: int, tag: int) -> Future:
         """Starts this rank's side of a message from ``src`` to ``dst``: ``x`` is the sender's
         bytes, or the receiver's zeros of the same length (which the sum is written into);
         returns the op's future (the sender's bytes, on both sides)."""
-        return self._link(src, dst, tag).allreduce_async(x, inplace=self._settings.rank == dst)
+        if self._settings.rank == dst:
+            with self._post_lock:
+                return self._post(x, src, dst, tag)
+        # Counted before it is sent: a receive from any source posted for it early waits for
+        # it, where a message sent but never counted would never be taken.
+        self._announce(src, dst, tag)
+        return self._link(src, dst, tag).allreduce_async(x)
 
     def refuse(self, error: BaseException, src: int, dst: int, tag: int) -> None:
         """Numbers a message this rank refuses and fails it on the other side too
         (:meth:`worker.client.Worker.refuse`)."""
-        self._link(src, dst, tag).refuse(error)
+        key = (src, dst, tag)
+        if self._settings.rank == dst:
+            with self._post_lock:
+                self._link(*key).refuse(error)
+                self._posted[key] = self._posted.get(key, 0) + 1
+            return
+        self._announce(*key)
+        self._link(*key).refuse(error)
+
+    def posting(self) -> threading.RLock:
+        """The lock under which receives are posted and counted: held around the messages of
+        one ``recv`` of several tensors, so that no receive from any source comes between."""
+        return self._post_lock
+
+    def receive_any(self, x: object, tag: int, peers: Sequence[int]) -> Future:
+        """Starts a receive of ``x``'s length with ``tag`` from whichever of ``peers`` has a
+        message this rank has not received yet (:mod:`worker.anysource`).
+
+        Args:
+            x: zeros of the message's length, which the message is written into.
+            tag: the message's tag.
+            peers: the ranks it may come from.
+
+        Returns:
+            A future of ``(source rank, the message)``; it fails with
+            :class:`~omnireduce.errors.OpTimeoutError` when no message came within the
+            group's op timeout.
+        """
+        if self._store is None:
+            raise ConfigError("recv from any source needs the process group's store")
+        with self._lock:
+            if self._closed:
+                raise WorkerClosedError("the process group is shut down")
+            if self._any is None:
+                self._any = AnySource(self, self._settings.timeout)
+            any_source = self._any
+        return any_source.receive(x, tag, peers)
+
+    def sent_counts(self, keys: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """The messages each (sender, tag) of ``keys`` has sent to this rank, from the store."""
+        return {(src, tag): self._store.add(self._count_key(src, self._settings.rank, tag), 0)
+                for src, tag in keys}
+
+    def posted(self, src: int, tag: int) -> int:
+        """The receives this rank has posted for ``src``'s messages of ``tag``."""
+        return self._posted.get((src, self._settings.rank, tag), 0)
+
+    def post(self, x: object, src: int, tag: int) -> Future:
+        """Posts a receive from ``src`` (with :meth:`posting` held)."""
+        return self._post(x, src, self._settings.rank, tag)
+
+    def _post(self, x: object, src: int, dst: int, tag: int) -> Future:
+        key = (src, dst, tag)
+        try:
+            future = self._link(*key).allreduce_async(x, inplace=True)
+        except ConfigError:
+            # Refused: the op was numbered (and failed on the sender's side), so it counts.
+            self._posted[key] = self._posted.get(key, 0) + 1
+            raise
+        self._posted[key] = self._posted.get(key, 0) + 1
+        return future
+
+    def _count_key(self, src: int, dst: int, tag: int) -> str:
+        # The job and its generation in the key: a store that outlives a group (a restarted
+        # torchelastic job's) does not carry counts over to the next.
+        return f"omnireduce/p2p/{self._settings.job}/{self._settings.generation}/{src}-{dst}.{tag}"
+
+    def _announce(self, src: int, dst: int, tag: int) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.add(self._count_key(src, dst, tag), 1)
+        except Exception as e:
+            raise OmniReduceError(f"counting a message to rank {dst} in the process group's store failed "
+                                  f"(nothing was sent): {type(e).__name__}: {e}") from e
 
     def _link(self, src: int, dst: int, tag: int) -> Worker:
         key = (src, dst, tag)
@@ -109,6 +218,9 @@ class PeerLinks:
             self._closed = True
             links, self._links = list(self._links.values()), {}
             loop, self._loop = self._loop, None
+            any_source, self._any = self._any, None
+        if any_source is not None:
+            any_source.close()
         for link in links:
             link.close()
         if loop is not None:

@@ -122,31 +122,40 @@ def test_a_pass_that_differs_from_the_previous_one_still_sends_every_gradient() 
     assert [sorted(f.wait().coalesce().indices()[0].tolist()) for f in futures] == [[1], [2]]
 
 
-def test_after_a_failure_buckets_are_refused_on_their_own_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Once ``state.error`` is set, a bucket of the sparse protocol is refused (numbered and failed
-    on every rank), a bucket of the dense group joins the group's allreduce (the other ranks run
-    it; gloo stays in step) and numbers nothing; held sparse gradients are refused as one op."""
+class _Refusing(_Worker):
+    """Records the ops it refuses: (bytes, key)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused: list[tuple[int, Any]] = []
+
+    def refuse(self, error: BaseException, x: Any = None, **options: Any) -> None:
+        self.refused.append((x.numel() * x.element_size(), options.get("key")))
+
+
+def _stub_dense_group(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Makes the hook's dense-group allreduce return its input; returns the sizes it is called with."""
     import worker.ddp as ddp
 
-    class Refusing(_Worker):
-        def __init__(self) -> None:
-            super().__init__()
-            self.refused: list[tuple[int, Any]] = []
-
-        def refuse(self, error: BaseException, x: Any = None, **options: Any) -> None:
-            self.refused.append((x.numel() * x.element_size(), options.get("key")))
-
-    dense_calls: list[int] = []
+    calls: list[int] = []
 
     def dense(state: Any, buf: torch.Tensor) -> torch.futures.Future:
-        dense_calls.append(buf.numel())
+        calls.append(buf.numel())
         f: torch.futures.Future = torch.futures.Future()
         f.set_result(buf)
         return f
 
     monkeypatch.setattr(ddp, "_dense_allreduce", dense)
+    return calls
+
+
+def test_after_a_failure_buckets_are_refused_on_their_own_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once ``state.error`` is set, a bucket of the sparse protocol is refused (numbered and failed
+    on every rank), a bucket of the dense group joins the group's allreduce (the other ranks run
+    it; gloo stays in step) and numbers nothing; held sparse gradients are refused as one op."""
+    dense_calls = _stub_dense_group(monkeypatch)
     for mode in ("sparse", "dense"):
-        w = Refusing()
+        w = _Refusing()
         state = OmniReduceState(w, mode=mode, dense_group=None if mode == "sparse" else object())
         state.error = RuntimeError("an earlier bucket failed")
         dense_calls.clear()
@@ -163,3 +172,39 @@ def test_after_a_failure_buckets_are_refused_on_their_own_path(monkeypatch: pyte
             assert w.refused == [(32, (0, 8, torch.float32)), joined] and dense_calls == []
         else:
             assert w.refused == [joined] and dense_calls == [8]
+
+
+def test_after_a_failure_auto_mode_follows_a_standing_verdict_and_votes_sparse_on_a_new_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In auto mode after a failure: a bucket whose dense verdict stands (no vote) still joins the
+    dense group's allreduce, as the other ranks take that path too; where the ranks would vote,
+    this rank votes sparse (so the others do not wait in gloo) and refuses the op."""
+    import worker.ddp as ddp
+
+    dense_calls = _stub_dense_group(monkeypatch)
+    votes: list[tuple[str, Any]] = []
+
+    def agree(state: Any, key: Any, path: str, basis: Any) -> str:
+        votes.append((path, basis))
+        return path if basis is None else "sparse"  # the MIN of the ranks' votes: this one's sparse
+
+    monkeypatch.setattr(ddp, "_agree", agree)
+
+    class Chooser:
+        def __init__(self, plans: list[tuple[str, Any]]) -> None:
+            self.plans = plans
+
+        def plan(self, key: Any, numel: int, size: int) -> tuple[str, Any]:
+            return self.plans.pop(0)
+
+    w = _Refusing()
+    state = OmniReduceState(w, mode="auto", dense_group=object())
+    state._chooser = Chooser([("dense", None), ("dense", 7)])
+    state.error = RuntimeError("an earlier bucket failed")
+    futures = [omnireduce_hook(state, _Bucket(0, torch.ones(8), False)),
+               omnireduce_hook(state, _Bucket(1, torch.ones(4), True))]
+    for f in futures:
+        with pytest.raises(RuntimeError, match="skipped after an earlier failure"):
+            f.wait()
+    assert votes == [("dense", None), ("sparse", 7)]
+    assert dense_calls == [8] and w.refused == [(16, (1, 4, torch.float32))] and w.calls == []

@@ -3,9 +3,11 @@
 A message from rank ``s`` to rank ``d`` with tag ``t`` is an op of a job of two
 workers of its own, ``<group job>.p2p.<s>-<d>.<t>``: the sender sums its tensor's
 bytes, the receiver zeros of the same length (summed in place), so the sum is the
-sender's bytes. The receiver's zero blocks are not sent at all, and a message of
-one row of blocks (an eager op: up to ``message_blocks x streams`` blocks of
-``block_size`` bytes, 32 MiB by default) is sent by the aggregator to the receiver
+sender's bytes. The process group sends the bytes as the widest integer type their
+length allows (int64 for a multiple of 8 bytes, else int32, int16, uint8). The
+receiver's zero blocks are not sent at all, and a message of one row of blocks (an
+eager op: up to ``message_blocks x streams`` blocks of ``block_size`` elements, 256 MiB
+of int64 or 32 MiB of uint8 by default) is sent by the aggregator to the receiver
 only, as a block that one worker alone sent is never sent back to it: the bytes go
 up once and down once, as through a relay. A larger message is also sent back to
 its sender.

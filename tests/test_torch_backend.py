@@ -432,3 +432,32 @@ def test_bytes_with_one_owner_are_sent_as_the_widest_integers_their_length_and_o
         # A view of the same bytes: the in-place receive of a message writes the caller's buffer.
         assert wide.numel() == 0 or wide.data_ptr() == data.data_ptr()
         assert torch.equal(wide.view(torch.uint8) if wide.numel() else wide, data)
+
+
+def test_all_to_all_returns_at_once_and_later_collectives_keep_their_numbers(agg) -> None:
+    # One thread plays both ranks: rank 0's all_to_all must return before rank 1 calls its own
+    # (it waited for the split table before), and a collective called on both ranks while the
+    # chunks are still out pairs up with its counterpart, not with the chunks' op.
+    ranks = _p2p_groups(agg, "a2a-async", 2)
+    try:
+        ins = [torch.arange(3, dtype=torch.float64) + 10 * r for r in range(2)]  # rank r sends 1 + r, 2 - r rows
+        outs = [torch.zeros(3, dtype=torch.float64) for _ in range(2)]
+        splits_in, splits_out = [[1, 2], [2, 1]], [[1, 2], [2, 1]]
+        t0 = time.monotonic()
+        works = [ranks[r].alltoall_base(outs[r], ins[r], splits_out[r], splits_in[r]) for r in range(2)]
+        sums = [torch.full((2,), float(r + 1)) for r in range(2)]
+        after = [ranks[r].allreduce([sums[r]]) for r in range(2)]
+        again = [torch.zeros(3, dtype=torch.float64) for _ in range(2)]
+        works += [ranks[r].alltoall_base(again[r], ins[r], splits_out[r], splits_in[r]) for r in range(2)]
+        for w in works + after:
+            w.wait()
+        assert time.monotonic() - t0 < 30
+        # Rank 0 keeps its row 0 and takes rank 1's rows 0-1; rank 1 takes rank 0's rows 1-2 and keeps its row 2.
+        want = [torch.tensor(v, dtype=torch.float64) for v in ([0.0, 10.0, 11.0], [1.0, 2.0, 12.0])]
+        for r in range(2):
+            torch.testing.assert_close(outs[r], want[r])
+            torch.testing.assert_close(again[r], want[r])
+            torch.testing.assert_close(sums[r], torch.full((2,), 3.0))
+    finally:
+        for g in ranks:
+            g.shutdown()

@@ -52,6 +52,7 @@ from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.api import Allreducer, connect
 from worker.autoload import BACKEND_NAME, register
 from worker.futures import Settable
+from worker.loop import fail_future
 from worker.p2p import PeerLinks
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,18 @@ def _sized_bytes(nbytes: int) -> torch.Tensor:
     """:func:`_sized` of an op of bytes, as :func:`_wide` sends them (so a sharded worker
     numbers the refused op on the shards that the other ranks' op takes)."""
     return _wide(_sized(nbytes))
+
+
+def _forward(src: ConcurrentFuture, dst: ConcurrentFuture) -> None:
+    """Completes ``dst`` as ``src`` completes."""
+    def done(f: ConcurrentFuture) -> None:
+        error = f.exception()
+        if error is not None:
+            fail_future(dst, error)
+        elif not dst.done():
+            dst.set_result(f.result())
+
+    src.add_done_callback(done)
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -370,6 +383,11 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         self._p2p: PeerLinks | None = None
         self._shut = False
         self._p2p_lock = threading.Lock()
+        # all_to_all calls so far, those whose chunks have gone, and the ones ready to go.
+        self._a2a_lock = threading.Lock()
+        self._a2a_calls = 0
+        self._a2a_sent = 0
+        self._a2a_ready: dict[int, Callable[[], None] | None] = {}
         # torch keeps a group's name in its backends; this group is its own backend.
         self._name = ""
         self._desc = ""
@@ -764,9 +782,8 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         return self._work(parts, [out for out, _ in pairs], what)
 
     # all_to_all: every rank's bytes for every other rank gathered (world x an all_to_all's bytes:
-    # correct and bit-exact, not fast; the aggregator has no per-rank result to route). The call
-    # waits for the split table (the first of its two ops), even with async_op=True: every rank
-    # must reach it, and it must not be called from a Work's callback (that thread delivers it).
+    # correct and bit-exact, not fast; the aggregator has no per-rank result to route), in two
+    # ops: the split table, then the chunks, in a job of their own (see _exchange).
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                  opts: Any = None) -> Any:
@@ -821,34 +838,76 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         """The part of an all_to_all that sends ``chunks[r]`` (bytes) to rank ``r`` and gives
         ``finish`` the bytes received from each rank, which must be ``wanted[r]`` long.
 
-        Two ops: the bytes every rank sends every other (a small gather, waited for here,
-        since the second op's length depends on it), then every rank's chunks, padded to
-        the longest. A rank whose ``wanted`` disagrees with what the others send still
-        takes part in both, so the ranks stay in step, and its own collective fails.
+        Two ops: the bytes every rank sends every other (a small gather, on the group's
+        worker, numbered in the call), then every rank's chunks, padded to the longest, once
+        the table is in. The second goes through a job of its own (``<job>.a2a``), its ops
+        in the order of the all_to_all calls, so the call does not wait (``async_op=True``
+        returns at once) and the group's collectives after it keep their numbers. A rank
+        whose ``wanted`` disagrees with what the others send still takes part in both, so the
+        ranks stay in step, and its own collective fails.
         """
-        world = self._world
+        world, me = self._world, self._rank
+        chunk_link = self._links(what).group_link("a2a")
         mine = torch.tensor([c.numel() for c in chunks], dtype=torch.int64)
-        src, n = self._gather_values(mine)
-        try:
-            table = src.result().view(torch.int64).view(world, world)
-        except BaseException as e:  # noqa: BLE001 - the collective's Work raises it
-            return _failed(e), lambda _out: None
-        longest = int(table.sum(1).max())
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        if longest and chunks:
-            data = torch.cat(chunks)
-            padded[: data.numel()] = data
-        src, n = self._gather_values(padded)
-        starts = torch.cumsum(table, 1) - table  # where rank j's chunk for rank r starts in j's bytes
-        me = self._rank
-        got = [int(table[j, me]) for j in range(world)]
+        table_op, _ = self._gather_values(mine)
+        with self._a2a_lock:
+            seq = self._a2a_calls
+            self._a2a_calls += 1
+        result: ConcurrentFuture = ConcurrentFuture()
+        layout: dict[str, Any] = {}
+
+        def send_chunks(f: ConcurrentFuture) -> None:
+            error = f.exception()
+            if error is not None:
+                # Failed on every rank (an op fails for all of its ranks): none sends the chunks.
+                self._a2a_release(seq, None)
+                fail_future(result, error)
+                return
+            try:
+                table = f.result().view(torch.int64).view(world, world)
+                longest = int(table.sum(1).max())
+                # Gathered as _gather_values lays bytes out: this rank's at rank x longest, zeros elsewhere.
+                gathered = torch.zeros(longest * world, dtype=torch.uint8)
+                if longest and chunks:
+                    data = torch.cat(chunks)
+                    gathered[me * longest : me * longest + data.numel()] = data
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the Work
+                logger.exception("omnireduce %s: laying out the chunks failed", what)
+                self._a2a_release(seq, None)
+                fail_future(result, e)
+                return
+            layout.update(table=table, n=longest)
+
+            def submit() -> None:
+                try:
+                    _forward(_as_bytes(chunk_link.allreduce_async(_wide(gathered))), result)
+                except OmniReduceError as e:
+                    fail_future(result, e)
+
+            self._a2a_release(seq, submit)
+
+        table_op.add_done_callback(send_chunks)
 
         def received(out: torch.Tensor) -> None:
+            table, n = layout["table"], layout["n"]
+            starts = torch.cumsum(table, 1) - table  # where rank j's chunk for rank r starts in j's bytes
+            got = [int(table[j, me]) for j in range(world)]
             if got != wanted:
                 raise CollectiveError(f"{what}: rank {me} expects {wanted} bytes from the ranks, they send {got}")
             finish([out[j * n + int(starts[j, me]) : j * n + int(starts[j, me]) + got[j]] for j in range(world)])
 
-        return src, received
+        return result, received
+
+    def _a2a_release(self, seq: int, submit: Callable[[], None] | None) -> None:
+        """Sends all_to_all ``seq``'s chunks (``submit``; None: it sends none) once every earlier
+        all_to_all's have gone: their split tables may complete out of call order (on shards)."""
+        with self._a2a_lock:
+            self._a2a_ready[seq] = submit
+            while self._a2a_sent in self._a2a_ready:
+                ready = self._a2a_ready.pop(self._a2a_sent)
+                self._a2a_sent += 1
+                if ready is not None:
+                    ready()
 
     # Point to point: each message an op of a job of the two ranks (see worker.p2p).
 

@@ -85,7 +85,7 @@ class PeerLinks:
         self._settings = first.settings
         self._lock = threading.Lock()
         self._loop: CommLoop | None = None
-        self._links: dict[tuple[int, int, int], Worker] = {}
+        self._links: dict[object, Worker] = {}
         self._closed = False
         self._store = store
         # Receives posted per (src, dst, tag), counted with the posting itself (under the
@@ -196,7 +196,17 @@ class PeerLinks:
                                   f"(nothing was sent): {type(e).__name__}: {e}") from e
 
     def _link(self, src: int, dst: int, tag: int) -> Worker:
-        key = (src, dst, tag)
+        return self._worker((src, dst, tag), f"p2p.{src}-{dst}.{tag}", rank=0 if self._settings.rank == src else 1,
+                            world_size=2)
+
+    def group_link(self, name: str) -> Worker:
+        """A worker of the whole group (this rank, the group's size) in a job of its own,
+        ``<group job>.<name>``, made on first use: for ops numbered apart from the group's
+        collectives, such as all_to_all's chunks, which go out only once its split table is in.
+        """
+        return self._worker(name, name, rank=self._settings.rank, world_size=self._settings.world_size)
+
+    def _worker(self, key: object, name: str, rank: int, world_size: int) -> Worker:
         with self._lock:
             if self._closed:
                 raise WorkerClosedError("the process group is shut down")
@@ -205,13 +215,11 @@ class PeerLinks:
                 if self._loop is None:
                     # One communication thread for every pair of this rank.
                     self._loop = CommLoop(self._context, name=f"omnireduce-p2p-r{self._settings.rank}")
-                settings = dataclasses.replace(
-                    self._settings, job=f"{self._settings.job}.p2p.{src}-{dst}.{tag}",
-                    rank=0 if self._settings.rank == src else 1, world_size=2, mode="sparse",
-                )
+                settings = dataclasses.replace(self._settings, job=f"{self._settings.job}.{name}", rank=rank,
+                                               world_size=world_size, mode="sparse")
                 link = Worker(self._address, context=self._context, settings=settings, loop=self._loop)
                 self._links[key] = link
-                logger.debug("p2p link %d -> %d (tag %d) opened as %s", src, dst, tag, settings.job)
+                logger.debug("link %s opened as %s", key, settings.job)
             return link
 
     def close(self) -> None:

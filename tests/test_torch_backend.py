@@ -419,19 +419,19 @@ def test_a_send_whose_count_the_store_refuses_sends_nothing(agg) -> None:
 
 
 def test_bytes_with_one_owner_are_sent_as_the_widest_integers_their_length_and_offset_allow() -> None:
-    from worker.backend import _bytes_of, _wide
+    from worker.tensorbytes import bytes_of, wide
 
     base = torch.arange(12, dtype=torch.float32)
     cases = [(base, torch.int64), (base[1:], torch.int32), (base[:3], torch.int32),
              (torch.arange(6, dtype=torch.float16), torch.int32), (torch.arange(3, dtype=torch.float16), torch.int16),
              (torch.arange(5, dtype=torch.uint8), torch.uint8), (torch.zeros(0), torch.uint8)]
     for t, dtype in cases:
-        data = _bytes_of(t)
-        wide = _wide(data)
-        assert wide.dtype == dtype, (t, wide.dtype)
+        data = bytes_of(t)
+        widened = wide(data)
+        assert widened.dtype == dtype, (t, widened.dtype)
         # A view of the same bytes: the in-place receive of a message writes the caller's buffer.
-        assert wide.numel() == 0 or wide.data_ptr() == data.data_ptr()
-        assert torch.equal(wide.view(torch.uint8) if wide.numel() else wide, data)
+        assert widened.numel() == 0 or widened.data_ptr() == data.data_ptr()
+        assert torch.equal(widened.view(torch.uint8) if widened.numel() else widened, data)
 
 
 def test_all_to_all_returns_at_once_and_later_collectives_keep_their_numbers(agg) -> None:

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from omnireduce.errors import OmniReduceError, OpTimeoutError, WorkerClosedError
-from worker.loop import fail_future
+from worker.loop import fail_future, forward
 
 if TYPE_CHECKING:
     from worker.p2p import PeerLinks
@@ -131,7 +131,7 @@ class AnySource:
                 self._waiting = [r for r in self._waiting if id(r) not in finished]
         for r, src, inner in done:
             if inner is not None:
-                _chain(inner, r.result, src)
+                forward(inner, r.result, lambda out, src=src: (src, out))
         return bool(done)
 
     def _start(self, r: _Receive, src: int) -> Future | None:
@@ -158,15 +158,3 @@ class AnySource:
             self._waiting = [r for r in self._waiting if id(r) not in gone]
         for r in waiting:
             fail_future(r.result, error)
-
-
-def _chain(inner: Future, result: Future, src: int) -> None:
-    def done(f: Future) -> None:
-        if f.cancelled():
-            fail_future(result, OmniReduceError("recv from any source: the receive was cancelled"))
-        elif f.exception() is not None:
-            fail_future(result, f.exception())
-        elif not result.done():
-            result.set_result((src, f.result()))
-
-    inner.add_done_callback(done)

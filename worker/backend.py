@@ -16,7 +16,7 @@ tensor and reduce locally; ``reduce`` is an all_reduce that only the root keeps,
 ``broadcast``, ``all_gather``, ``gather``, ``scatter`` and ``barrier`` are built
 on the same sum: a tensor's bytes travel zero on every rank but the owner, so the
 sum reproduces them bit for bit, for any dtype (as the widest integer type their
-length allows, :func:`_wide`: int64 elements are summed 2x faster than uint8 bytes); ``all_to_all`` gathers
+length allows, :mod:`worker.tensorbytes`); ``all_to_all`` gathers
 every rank's chunks that way. ``send`` and ``recv`` relay a message through the
 aggregator (:mod:`worker.p2p`), ``recv`` from any source too (its sender found through
 the group's store).
@@ -52,8 +52,9 @@ from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.api import Allreducer, connect
 from worker.autoload import BACKEND_NAME, register
 from worker.futures import Settable
-from worker.loop import fail_future
+from worker.loop import fail_future, forward
 from worker.p2p import PeerLinks
+from worker.tensorbytes import as_bytes, byte_view, bytes_of, from_bytes, sized, sized_bytes, wide
 
 logger = logging.getLogger(__name__)
 
@@ -86,84 +87,6 @@ def _failed(error: BaseException) -> ConcurrentFuture:
     failed: ConcurrentFuture = ConcurrentFuture()
     failed.set_exception(error)
     return failed
-
-
-def _sized(nbytes: int) -> torch.Tensor:
-    """A tensor of ``nbytes`` bytes that holds none (a meta tensor): the size of an op that is
-    refused, for a sharded worker to number it on the shards that the other ranks' op takes."""
-    return torch.empty(nbytes, dtype=torch.uint8, device="meta")
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 tensor (a copy where ``t`` is not contiguous)."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return torch.zeros(0, dtype=torch.uint8)
-    return flat.view(torch.uint8)
-
-
-# Widest first: the aggregator and the workers sum integers in int64, so a uint8 byte costs
-# them an int64 element.
-_WIDE = (torch.int64, torch.int32, torch.int16)
-
-
-def _wide(values: torch.Tensor) -> torch.Tensor:
-    """Bytes of which every rank but one sends zeros (so their sum is the same bytes, with no
-    carry from one byte into the next), viewed as the widest integer type their length and
-    offset allow: fewer, wider elements to sum (2 ranks on loopback, an op of 1 MB took 3.5 ms
-    as int64 and 7.3 ms as uint8; 16 MB, 29.5 and 70.5 ms)."""
-    if values.numel() == 0:
-        return values
-    for dtype in _WIDE:
-        if values.numel() % dtype.itemsize == 0 and values.storage_offset() % dtype.itemsize == 0:
-            return values.view(dtype)
-    return values
-
-
-def _sized_bytes(nbytes: int) -> torch.Tensor:
-    """:func:`_sized` of an op of bytes, as :func:`_wide` sends them (so a sharded worker
-    numbers the refused op on the shards that the other ranks' op takes)."""
-    return _wide(_sized(nbytes))
-
-
-def _forward(src: ConcurrentFuture, dst: ConcurrentFuture) -> None:
-    """Completes ``dst`` as ``src`` completes."""
-    def done(f: ConcurrentFuture) -> None:
-        error = f.exception()
-        if error is not None:
-            fail_future(dst, error)
-        elif not dst.done():
-            dst.set_result(f.result())
-
-    src.add_done_callback(done)
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    # An empty result may have any strides, which view() refuses.
-    return t.view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
-
-
-def _as_bytes(src: ConcurrentFuture) -> ConcurrentFuture:
-    """The future of ``src``'s tensor (or ``(rank, tensor)``) result viewed as bytes again."""
-    out: ConcurrentFuture = ConcurrentFuture()
-
-    def done(f: ConcurrentFuture) -> None:
-        error = f.exception()
-        if error is not None:
-            out.set_exception(error)
-            return
-        result = f.result()
-        out.set_result((result[0], _byte_view(result[1])) if isinstance(result, tuple) else _byte_view(result))
-
-    src.add_done_callback(done)
-    return out
-
-
-def _from_bytes(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_bytes_of`: ``values`` as a tensor of ``like``'s dtype and shape."""
-    if like.numel() == 0:
-        return torch.empty_like(like)
-    return values.view(like.dtype).view(like.shape)
 
 
 def _splits(sizes: list[int], rows: int, world: int, what: str, side: str) -> list[int]:
@@ -449,9 +372,9 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             return _failed(e)
 
     def _submit_bytes(self, values: torch.Tensor, what: str) -> ConcurrentFuture:
-        """:meth:`_submit` of bytes that one rank owns each (sent as :func:`_wide` makes them);
+        """:meth:`_submit` of bytes that one rank owns each (sent as :func:`worker.tensorbytes.wide` makes them);
         the future's result is bytes again."""
-        return _as_bytes(self._submit(_wide(values), what))
+        return as_bytes(self._submit(wide(values), what))
 
     def _refuse(self, error: CollectiveError, ops: list[torch.Tensor], op: Any = None) -> NoReturn:
         """Raises ``error``, this rank's refusal of a collective's arguments, once the ops the
@@ -461,7 +384,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         Args:
             error: why.
             ops: one entry per op the collective sends when its arguments are good: what it
-                would have summed, or a tensor of its size (:func:`_sized`).
+                would have summed, or a tensor of its size (:func:`worker.tensorbytes.sized`).
             op: the reduction, for a collective that reduces: an AVG is weighted by
                 :attr:`samples` (a sharded worker sends weighted ops to every shard).
         """
@@ -472,7 +395,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """The size of the op that gathers every rank's bytes of ``t`` (:meth:`_gather_values`)."""
-        return _sized_bytes(self._world * t.numel() * t.element_size())
+        return sized_bytes(self._world * t.numel() * t.element_size())
 
     def _wire(self, t: torch.Tensor, op: Any) -> torch.Tensor:
         """What the op that reduces ``t`` with ``op`` sums (or its size)."""
@@ -530,7 +453,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         reduce = _GATHERED[op]
 
         def finish(out: torch.Tensor) -> None:
-            stacked = torch.stack([_from_bytes(out[r * n : (r + 1) * n], t) for r in range(self._world)])
+            stacked = torch.stack([from_bytes(out[r * n : (r + 1) * n], t) for r in range(self._world)])
             t.copy_(reduce(stacked))
 
         return src, finish
@@ -551,7 +474,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     def _gather_values(self, t: torch.Tensor) -> tuple[ConcurrentFuture, int]:
         """Starts the sum that gathers every rank's bytes of ``t``; returns it and the bytes per rank."""
-        mine = _bytes_of(t)
+        mine = bytes_of(t)
         n = mine.numel()
         values = torch.zeros(n * self._world, dtype=torch.uint8)
         values[self._rank * n : (self._rank + 1) * n] = mine
@@ -564,14 +487,14 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             for t in tensors:
                 _strided(t, what)
         except CollectiveError as e:
-            self._refuse(e, [_sized_bytes(t.numel() * t.element_size()) for t in tensors])
+            self._refuse(e, [sized_bytes(t.numel() * t.element_size()) for t in tensors])
         parts = []
         for t in tensors:
-            values = _bytes_of(t)
+            values = bytes_of(t)
             values = values.clone() if self._rank == root else torch.zeros_like(values)
 
             def finish(out: torch.Tensor, t: torch.Tensor = t) -> None:
-                t.copy_(_from_bytes(out, t))
+                t.copy_(from_bytes(out, t))
 
             parts.append((self._submit_bytes(values, what), finish))
         return self._work(parts, tensors, what)
@@ -594,7 +517,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
             def finish(out: torch.Tensor, outs: list[torch.Tensor] = outs, n: int = n) -> None:
                 for r, o in enumerate(outs):
-                    o.copy_(_from_bytes(out[r * n : (r + 1) * n], o))
+                    o.copy_(from_bytes(out[r * n : (r + 1) * n], o))
 
             parts.append((src, finish))
         return self._work(parts, output_tensors, what)
@@ -661,7 +584,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             def finish(out: torch.Tensor, i: int = i, n: int = n) -> None:
                 if self._rank == root:
                     for r, o in enumerate(output_tensors[i]):
-                        o.copy_(_from_bytes(out[r * n : (r + 1) * n], o))
+                        o.copy_(from_bytes(out[r * n : (r + 1) * n], o))
 
             parts.append((src, finish))
         return self._work(parts, output_tensors, what)
@@ -683,14 +606,14 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             self._refuse(e, [self._gathered(t) for t in output_tensors])
         parts = []
         for i, t in enumerate(output_tensors):
-            n = _bytes_of(t).numel()
+            n = bytes_of(t).numel()
             if self._rank == root:
-                values = torch.cat([_bytes_of(x) for x in input_tensors[i]]).clone()
+                values = torch.cat([bytes_of(x) for x in input_tensors[i]]).clone()
             else:
                 values = torch.zeros(n * self._world, dtype=torch.uint8)
 
             def finish(out: torch.Tensor, t: torch.Tensor = t, n: int = n) -> None:
-                t.copy_(_from_bytes(out[self._rank * n : (self._rank + 1) * n], t))
+                t.copy_(from_bytes(out[self._rank * n : (self._rank + 1) * n], t))
 
             parts.append((self._submit_bytes(values, what), finish))
         return self._work(parts, output_tensors, what)
@@ -726,7 +649,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     def _scattered(self, outputs: list[torch.Tensor], op: Any) -> list[torch.Tensor]:
         """The sizes of the ops of a reduce_scatter into ``outputs``."""
-        return [self._wire(_sized(self._world * o.numel() * o.element_size()).view(o.dtype), op) for o in outputs]
+        return [self._wire(sized(self._world * o.numel() * o.element_size()).view(o.dtype), op) for o in outputs]
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         op = _op_type(opts)
@@ -796,11 +719,11 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                 _dense(t, what)
         except CollectiveError as e:
             self._refuse_exchange(e)
-        chunks = [_bytes_of(t) for t in input_tensors]
+        chunks = [bytes_of(t) for t in input_tensors]
 
         def finish(received: list[torch.Tensor]) -> None:
             for o, got in zip(output_tensors, received, strict=True):
-                o.copy_(_from_bytes(got, o))
+                o.copy_(from_bytes(got, o))
 
         sizes = [o.numel() * o.element_size() for o in output_tensors]
         return self._work([self._exchange(chunks, sizes, finish, what)], output_tensors, what)
@@ -818,12 +741,12 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         except CollectiveError as e:
             self._refuse_exchange(e)
         row = math.prod(input.shape[1:]) * input.element_size()
-        data = _bytes_of(input)
+        data = bytes_of(input)
         edges = [0, *itertools.accumulate(n * row for n in sent)]
         chunks = [data[edges[r] : edges[r + 1]] for r in range(self._world)]
 
         def finish(received: list[torch.Tensor]) -> None:
-            output.copy_(_from_bytes(torch.cat(received), output))
+            output.copy_(from_bytes(torch.cat(received), output))
 
         return self._work([self._exchange(chunks, [n * row for n in wanted], finish, what)], [output], what)
 
@@ -831,7 +754,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     def _refuse_exchange(self, error: CollectiveError) -> NoReturn:
         # Only the split table's op: with it failed, no rank sends the chunks' op (see _exchange).
-        self._refuse(error, [_sized_bytes(self._world * self._world * 8)])
+        self._refuse(error, [sized_bytes(self._world * self._world * 8)])
 
     def _exchange(self, chunks: list[torch.Tensor], wanted: list[int], finish: Callable[[list[torch.Tensor]], None],
                   what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:
@@ -880,7 +803,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
             def submit() -> None:
                 try:
-                    _forward(_as_bytes(chunk_link.allreduce_async(_wide(gathered))), result)
+                    forward(as_bytes(chunk_link.allreduce_async(wide(gathered))), result)
                 except OmniReduceError as e:
                     fail_future(result, e)
 
@@ -937,14 +860,14 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                 raise
             parts = []
             for t in tensors:
-                data = _bytes_of(t) if sending else torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8)
+                data = bytes_of(t) if sending else torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8)
 
                 def finish(out: torch.Tensor, t: torch.Tensor = t) -> None:
                     if not sending:
-                        t.copy_(_from_bytes(out, t))
+                        t.copy_(from_bytes(out, t))
 
                 try:
-                    future = _as_bytes(links.transfer(_wide(data), src, dst, tag))
+                    future = as_bytes(links.transfer(wide(data), src, dst, tag))
                 except OmniReduceError as e:
                     future = _failed(e)
                 parts.append((future, finish))
@@ -972,14 +895,14 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         links = self._links(what)
         data = torch.zeros(t.numel() * t.element_size(), dtype=torch.uint8)
         try:
-            future = _as_bytes(links.receive_any(_wide(data), tag, [r for r in range(self._world) if r != self._rank]))
+            future = links.receive_any(wide(data), tag, [r for r in range(self._world) if r != self._rank])
         except OmniReduceError as e:
             future = _failed(e)
         source: list[int] = []
 
         def finish(got: tuple[int, torch.Tensor]) -> None:
             src, out = got
-            t.copy_(_from_bytes(out, t))
+            t.copy_(from_bytes(byte_view(out), t))
             source.append(src)
 
         return OmniReduceWork([(future, finish)], tensors, what, source=source)

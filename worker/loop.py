@@ -25,7 +25,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -326,3 +326,26 @@ def fail_future(fut: Future, error: BaseException) -> None:
     """Fails ``fut`` with ``error`` unless it is done already."""
     if not fut.done():
         fut.set_exception(error)
+
+
+def forward(src: Future, dst: Future, transform: Callable[[Any], Any] | None = None) -> None:
+    """Completes ``dst`` as ``src`` completes: with ``transform(result)`` (or the result), or
+    with its error; a cancelled ``src`` fails ``dst``."""
+    def done(f: Future) -> None:
+        if f.cancelled():
+            fail_future(dst, WorkerClosedError("the op was cancelled"))
+            return
+        error = f.exception()
+        if error is not None:
+            fail_future(dst, error)
+            return
+        try:
+            value = f.result() if transform is None else transform(f.result())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on dst
+            logger.exception("forwarding an op's result failed")
+            fail_future(dst, e)
+            return
+        if not dst.done():
+            dst.set_result(value)
+
+    src.add_done_callback(done)

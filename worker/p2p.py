@@ -88,9 +88,9 @@ class PeerLinks:
         self._links: dict[object, Worker] = {}
         self._closed = False
         self._store = store
-        # Receives posted per (src, dst, tag), counted with the posting itself (under the
-        # lock), so that a recv from any source compares the senders' counts with them.
-        self._posted: dict[tuple[int, int, int], int] = {}
+        # Receives posted per (src, tag) (this rank is their dst), counted with the posting
+        # itself (under the lock), so that a recv from any source compares the senders' counts.
+        self._posted: dict[tuple[int, int], int] = {}
         self._post_lock = threading.RLock()
         self._any: AnySource | None = None
 
@@ -110,7 +110,7 @@ class PeerLinks:
         returns the op's future (the sender's bytes, on both sides)."""
         if self._settings.rank == dst:
             with self._post_lock:
-                return self._post(x, src, dst, tag)
+                return self.post(x, src, tag)
         # Counted before it is sent: a receive from any source posted for it early waits for
         # it, where a message sent but never counted would never be taken.
         self._announce(src, dst, tag)
@@ -123,7 +123,7 @@ class PeerLinks:
         if self._settings.rank == dst:
             with self._post_lock:
                 self._link(*key).refuse(error)
-                self._posted[key] = self._posted.get(key, 0) + 1
+                self._count_posted(src, tag)
             return
         self._announce(*key)
         self._link(*key).refuse(error)
@@ -164,22 +164,21 @@ class PeerLinks:
 
     def posted(self, src: int, tag: int) -> int:
         """The receives this rank has posted for ``src``'s messages of ``tag``."""
-        return self._posted.get((src, self._settings.rank, tag), 0)
+        return self._posted.get((src, tag), 0)
 
     def post(self, x: object, src: int, tag: int) -> Future:
-        """Posts a receive from ``src`` (with :meth:`posting` held)."""
-        return self._post(x, src, self._settings.rank, tag)
-
-    def _post(self, x: object, src: int, dst: int, tag: int) -> Future:
-        key = (src, dst, tag)
+        """Posts a receive from ``src`` and counts it (with :meth:`posting` held)."""
         try:
-            future = self._link(*key).allreduce_async(x, inplace=True)
+            future = self._link(src, self._settings.rank, tag).allreduce_async(x, inplace=True)
         except ConfigError:
             # Refused: the op was numbered (and failed on the sender's side), so it counts.
-            self._posted[key] = self._posted.get(key, 0) + 1
+            self._count_posted(src, tag)
             raise
-        self._posted[key] = self._posted.get(key, 0) + 1
+        self._count_posted(src, tag)
         return future
+
+    def _count_posted(self, src: int, tag: int) -> None:
+        self._posted[src, tag] = self._posted.get((src, tag), 0) + 1
 
     def _count_key(self, src: int, dst: int, tag: int) -> str:
         # The job and its generation in the key: a store that outlives a group (a restarted

@@ -1,0 +1,74 @@
+"""A tensor's bytes as the process group's byte-moving collectives send them.
+
+``broadcast``, ``all_gather``, ``gather``, ``scatter``, ``all_to_all`` and point-to-point
+messages sum bytes of which every rank but one sends zeros: the sum is the owner's bytes,
+bit for bit, for any dtype. They go as the widest integer type their length and offset
+allow (:func:`wide`), as the workers and the aggregator sum integers in int64.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from worker.loop import forward
+
+__all__ = ["as_bytes", "bytes_of", "from_bytes", "sized", "sized_bytes", "wide"]
+
+# Widest first: the aggregator and the workers sum integers in int64, so a uint8 byte costs
+# them an int64 element.
+_WIDE = (torch.int64, torch.int32, torch.int16)
+
+
+def sized(nbytes: int) -> torch.Tensor:
+    """A tensor of ``nbytes`` bytes that holds none (a meta tensor): the size of an op that is
+    refused, for a sharded worker to number it on the shards that the other ranks' op takes."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+
+def bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a copy where ``t`` is not contiguous)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def from_bytes(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`bytes_of`: ``values`` as a tensor of ``like``'s dtype and shape."""
+    if like.numel() == 0:
+        return torch.empty_like(like)
+    return values.view(like.dtype).view(like.shape)
+
+
+def wide(values: torch.Tensor) -> torch.Tensor:
+    """Bytes of which every rank but one sends zeros (so their sum is the same bytes, with no
+    carry from one byte into the next), viewed as the widest integer type their length and
+    offset allow: fewer, wider elements to sum (2 ranks on loopback, an op of 1 MB took 3.5 ms
+    as int64 and 7.3 ms as uint8; 16 MB, 29.5 and 70.5 ms)."""
+    if values.numel() == 0:
+        return values
+    for dtype in _WIDE:
+        if values.numel() % dtype.itemsize == 0 and values.storage_offset() % dtype.itemsize == 0:
+            return values.view(dtype)
+    return values
+
+
+def sized_bytes(nbytes: int) -> torch.Tensor:
+    """:func:`sized` of an op of bytes, as :func:`wide` sends them (so a sharded worker
+    numbers the refused op on the shards that the other ranks' op takes)."""
+    return wide(sized(nbytes))
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (an op's result of :func:`wide` bytes) as uint8 again."""
+    # An empty result may have any strides, which view() refuses.
+    return t.view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+
+
+def as_bytes(src: Future) -> Future:
+    """The future of ``src``'s tensor result as uint8 bytes again (:func:`byte_view`)."""
+    out: Future = Future()
+    forward(src, out, byte_view)
+    return out

@@ -125,10 +125,7 @@ class AnySource:
                         self._turn[r.tag] = src + 1
                         done.append((r, src, self._start(r, src)))
                         break
-        if done:
-            with self._cond:
-                finished = {id(r) for r, _, _ in done}
-                self._waiting = [r for r in self._waiting if id(r) not in finished]
+        self._remove([r for r, _, _ in done])
         for r, src, inner in done:
             if inner is not None:
                 forward(inner, r.result, lambda out, src=src: (src, out))
@@ -153,8 +150,11 @@ class AnySource:
                 job=self._links.job, ranks=r.peers))
 
     def _finish(self, waiting: list[_Receive], error: BaseException) -> None:
-        with self._cond:
-            gone = {id(r) for r in waiting}
-            self._waiting = [r for r in self._waiting if id(r) not in gone]
+        self._remove(waiting)
         for r in waiting:
             fail_future(r.result, error)
+
+    def _remove(self, requests: list[_Receive]) -> None:
+        if requests:
+            with self._cond:
+                self._waiting = [r for r in self._waiting if r not in requests]

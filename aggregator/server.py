@@ -278,7 +278,7 @@ class Aggregator:
             nbytes = transport.frames_nbytes(frames)
             self.counters.bytes_out += nbytes
             try:
-                self._sock.send_multipart([peer, *frames], copy=False, flags=zmq.NOBLOCK)
+                transport.send_frames(self._sock, [peer, *frames])
             except zmq.ZMQError as e:
                 self.counters.bytes_out -= nbytes
                 self.counters.send_failures += 1
@@ -445,9 +445,8 @@ class Aggregator:
         # the monitor told of its connection's end.
         drained = False
         for _ in range(_BATCH):
-            try:
-                frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-            except zmq.Again:
+            frames = transport.recv_frames(self._sock)
+            if frames is None:
                 drained = True
                 break
             peer = frames[0].bytes

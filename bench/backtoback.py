@@ -11,6 +11,11 @@ what one op costs when ops follow each other, as a training step's buckets do:
 wall time per op (the slowest rank's) and CPU per op of each rank (``time.process_time``:
 every thread of the process). The systems alternate in blocks, ``--rounds`` times.
 
+With ``--dense SIZE`` (``1MB``: float32 bytes, or elements) the ranks sum dense float32 tensors of that size instead, a
+``--density`` fraction of their 256-element blocks nonzero (each rank its own random
+blocks): the fixed cost of a small dense-format op (its mask pass included), against
+gloo's dense ``all_reduce`` (system ``gloo``).
+
 It prints one JSON line per block and a table at the end. Timings only: the
 results of both systems are compared once, before timing, and a mismatch fails.
 """
@@ -27,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import run_local_ranks
+from bench.common import parse_size, run_local_ranks
 
 __all__ = ["main"]
 
-SYSTEMS = ("gloo-sparse", "omnireduce-colocated")
+SYSTEMS = ("gloo-sparse", "gloo", "omnireduce-colocated")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +48,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the ids (default 1.0)")
     p.add_argument("--ops", type=int, default=300, help="ops per timed block (default 300)")
     p.add_argument("--rounds", type=int, default=2, help="blocks per system, alternating (default 2)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--dense", type=parse_size, default=None, metavar="SIZE",
+                   help="sum dense float32 tensors of this size (1MB: float32 bytes; or elements) "
+                        "instead of embedding gradients")
+    p.add_argument("--density", type=float, default=0.01,
+                   help="with --dense: the fraction of 256-element blocks that are nonzero (default 0.01)")
+    p.add_argument("--key", action="store_true",
+                   help="omnireduce ops pass key= (the tensor's index), so that an op goes to as many shards as "
+                        "the last op of its key moved bytes for (as the DDP hook's do), not as its dense size asks")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=None,
+                   help="default gloo-sparse and omnireduce-colocated; with --dense, gloo and omnireduce-colocated")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
     args = p.parse_args(argv)
     for name in ("workers", "rows", "width", "lookups", "ops", "rounds"):
@@ -51,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be at least 1")
     if args.zipf < 0:
         p.error("--zipf must be non-negative")
+    if args.dense is not None and (args.dense < 256 or args.dense % 256):
+        p.error("--dense must be a positive multiple of 1 KiB (whole blocks of 256 floats)")
+    if not 0 < args.density <= 1:
+        p.error("--density must be in (0, 1]")
+    if args.systems is None:
+        args.systems = ["gloo" if args.dense is not None else "gloo-sparse", "omnireduce-colocated"]
+    elif ("gloo-sparse" if args.dense is not None else "gloo") in args.systems:
+        p.error("system gloo-sparse sums embedding gradients, gloo the --dense tensors")
     return args
 
 
@@ -68,6 +90,20 @@ def _gradients(args: argparse.Namespace, rank: int, count: int = 4) -> list[Any]
     return grads
 
 
+def _dense(args: argparse.Namespace, rank: int, count: int = 4) -> list[Any]:
+    import torch
+
+    rng = np.random.default_rng([11, rank])
+    blocks = args.dense // 256
+    nonzero = max(1, round(blocks * args.density))
+    tensors = []
+    for _ in range(count):
+        x = np.zeros((blocks, 256), dtype=np.float32)
+        x[rng.choice(blocks, size=nonzero, replace=False)] = rng.standard_normal((nonzero, 256), dtype=np.float32)
+        tensors.append(torch.from_numpy(x.reshape(-1)))
+    return tensors
+
+
 def _rank(args: argparse.Namespace, rank: int) -> None:
     import torch
     import torch.distributed as dist
@@ -76,27 +112,33 @@ def _rank(args: argparse.Namespace, rank: int) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=args.workers)
-    grads = _gradients(args, rank)
+    grads = _gradients(args, rank) if args.dense is None else _dense(args, rank)
     worker = ColocatedWorker(torch_exchange(), rank=rank, world_size=args.workers, listen="tcp://127.0.0.1:0")
     try:
+        # gloo's dense all_reduce sums in place: its own copies, so that the other systems'
+        # inputs stay as they were (omnireduce returns a new tensor).
+        mine = [g.clone() for g in grads]
         run = {
-            "gloo-sparse": lambda t: dist.all_reduce(t),
-            "omnireduce-colocated": lambda t: worker.allreduce(t),
+            "gloo-sparse": lambda i: dist.all_reduce(grads[i]),
+            "gloo": lambda i: dist.all_reduce(mine[i]),
+            "omnireduce-colocated": lambda i: worker.allreduce(grads[i], key=i if args.key else None),
         }
         expected = grads[0].clone()
         dist.all_reduce(expected)
-        torch.testing.assert_close(worker.allreduce(grads[0]).to_dense(), expected.coalesce().to_dense(),
-                                   rtol=1e-5, atol=1e-5)
+        got = worker.allreduce(grads[0])
+        if args.dense is None:
+            got, expected = got.to_dense(), expected.coalesce().to_dense()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         blocks = []
         for _ in range(args.rounds):
             for system in args.systems:
                 op = run[system]
                 for i in range(10):
-                    op(grads[i % len(grads)])
+                    op(i % len(grads))
                 dist.barrier()
                 cpu0, t0 = time.process_time(), time.perf_counter()
                 for i in range(args.ops):
-                    op(grads[i % len(grads)])
+                    op(i % len(grads))
                 wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
                 blocks.append((system, wall / args.ops * 1e3, cpu / args.ops * 1e3))
         gathered: list[Any] = [None] * args.workers
@@ -120,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     events = run_local_ranks("bench.backtoback", argv, args.workers, "OMNIREDUCE_B2B_RANK", args.timeout)
     if events is None:
         return 1
-    print(f"\n{args.workers} workers, {args.lookups} lookups of {args.width} floats from {args.rows:,} rows "
-          f"(Zipf {args.zipf:g}), {args.ops} ops per block; load average {os.getloadavg()[0]:.1f}")
+    what = (f"{args.lookups} lookups of {args.width} floats from {args.rows:,} rows (Zipf {args.zipf:g})"
+            if args.dense is None
+            else f"dense float32 tensors of {4 * args.dense:,} bytes, {args.density:g} of blocks nonzero")
+    print(f"\n{args.workers} workers, {what}, {args.ops} ops per block; load average {os.getloadavg()[0]:.1f}")
     print("| system | ms per op (blocks) | CPU ms per rank per op (mean of ranks, blocks) |")
     print("|---|---|---|")
     for system in args.systems:

@@ -334,11 +334,27 @@ def test_backtoback_benchmark_tiny() -> None:
     assert "| omnireduce-colocated |" in res.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_backtoback_benchmark_dense_tiny() -> None:
+    pytest.importorskip("torch")
+    cmd = [sys.executable, "-m", "bench.backtoback", "--workers", "2", "--dense", "64KB", "--density", "0.1",
+           "--key", "--ops", "5", "--rounds", "1", "--timeout", "150"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    blocks = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert [b["system"] for b in blocks] == ["gloo", "omnireduce-colocated"]
+    assert "dense float32 tensors of 65,536 bytes" in res.stdout
+
+
 def test_backtoback_rejects_bad_arguments() -> None:
     from bench.backtoback import parse_args
 
     assert parse_args(["--workers", "3"]).workers == 3
-    for bad in (["--workers", "0"], ["--lookups", "0"], ["--zipf", "-1"], ["--systems", "gloo"]):
+    assert parse_args(["--dense", "1MB"]).systems == ["gloo", "omnireduce-colocated"]
+    for bad in (["--workers", "0"], ["--lookups", "0"], ["--zipf", "-1"], ["--systems", "gloo"],
+                ["--dense", "1MB", "--systems", "gloo-sparse"], ["--dense", "1000"],
+                ["--dense", "1MB", "--density", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

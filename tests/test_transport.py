@@ -28,6 +28,55 @@ def test_frames_nbytes_counts_every_kind_of_frame() -> None:
     assert transport.frames_nbytes([]) == 0
 
 
+def test_send_and_recv_frames_move_whole_messages(ctx: zmq.Context) -> None:
+    a, b = transport.new_socket(ctx, zmq.PAIR), transport.new_socket(ctx, zmq.PAIR)
+    try:
+        a.bind("inproc://test-frames")
+        b.connect("inproc://test-frames")
+        assert transport.recv_frames(b) is None  # nothing in: None, not zmq.Again
+        big = np.arange(1 << 16, dtype=np.float32)  # above the copy threshold: lent, not copied
+        transport.send_frames(a, [b"head", big, memoryview(big)[3:7], zmq.Frame(b"z")])
+        transport.send_frames(a, [b"one"])
+        got = transport.recv_frames(b)
+        assert got is not None and len(got) == 4
+        assert got[0].bytes == b"head" and got[3].bytes == b"z"
+        np.testing.assert_array_equal(np.frombuffer(got[1].buffer, np.float32), big)
+        np.testing.assert_array_equal(np.frombuffer(got[2].buffer, np.float32), big[3:7])
+        one = transport.recv_frames(b)
+        assert one is not None and [f.bytes for f in one] == [b"one"]
+        assert transport.recv_frames(b) is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_send_frames_raises_again_and_sends_nothing_when_full(ctx: zmq.Context) -> None:
+    a = transport.new_socket(ctx, zmq.DEALER)  # no peer: a DEALER with no pipe has no room
+    try:
+        with pytest.raises(zmq.Again):
+            transport.send_frames(a, [b"x", b"y"])
+        a.bind("inproc://test-full")
+        b = transport.new_socket(ctx, zmq.DEALER)
+        try:
+            b.connect("inproc://test-full")
+            deadline = time.monotonic() + 5
+            got = None
+            sent = False
+            while got is None and time.monotonic() < deadline:
+                if not sent:
+                    try:  # the new pipe reaches a's side on its next command pass
+                        transport.send_frames(a, [b"after"])
+                        sent = True
+                    except zmq.Again:
+                        time.sleep(0.01)
+                got = transport.recv_frames(b)
+            assert got is not None and [f.bytes for f in got] == [b"after"]  # the refused message never went
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
 def test_sockets_linger_zero(ctx: zmq.Context) -> None:
     sock = transport.new_socket(ctx, zmq.ROUTER)
     try:

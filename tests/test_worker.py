@@ -324,3 +324,26 @@ def test_a_refusal_whose_text_utf8_cannot_encode_is_sent_escaped(aggregator: Agg
     assert "rank 0 refused the op: ValueError: cannot read /data/\\udcff.npy" in text, text
     np.testing.assert_array_equal(y0, 2 * x)
     np.testing.assert_array_equal(y1, 2 * x)
+
+
+def test_stats_sum_every_counter() -> None:
+    """Every integer counter of OpStats adds up in merge_parallel and Stats.add (a field added
+    to OpStats and left out of the sums would read 0 in the totals)."""
+    import dataclasses
+
+    from worker.stats import OpStats, Stats, merge_parallel
+
+    counters = [f.name for f in dataclasses.fields(OpStats) if f.type == "int" and f.name not in ("op", "rounds")]
+    a = OpStats(op=7, rounds=2, seconds=0.5, **{n: i + 1 for i, n in enumerate(counters)})
+    b = OpStats(op=7, rounds=3, seconds=0.25, path="dense", **{n: 10 * (i + 1) for i, n in enumerate(counters)})
+    merged = merge_parallel([a, b], seconds=0.6)
+    assert merged.op == 7 and merged.rounds == 3 and merged.seconds == 0.6 and merged.path == "dense"
+    for i, n in enumerate(counters):
+        assert getattr(merged, n) == 11 * (i + 1), n
+    stats = Stats()
+    stats.add(a)
+    stats.add(b)
+    assert stats.ops == 2 and stats.last is b
+    assert stats.total.rounds == 5 and stats.total.seconds == 0.75
+    for i, n in enumerate(counters):
+        assert getattr(stats.total, n) == 11 * (i + 1), n

@@ -397,7 +397,7 @@ class Connection:
         """Sends now if the connection is up and has room, else queues in order."""
         if self._connected and not self._outbox:
             try:
-                self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+                transport.send_frames(self._sock, frames)
                 return
             except zmq.Again:
                 pass
@@ -407,7 +407,7 @@ class Connection:
         sent = False
         while self._connected and self._outbox:
             try:
-                self._sock.send_multipart(self._outbox[0][1], copy=False, flags=zmq.NOBLOCK)
+                transport.send_frames(self._sock, self._outbox[0][1])
             except zmq.Again:
                 break
             self._outbox.popleft()
@@ -531,9 +531,8 @@ class Connection:
         # do not count, and are read only to be dropped).
         self._heard = time.monotonic()
         while True:
-            try:
-                frames = self._sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-            except zmq.Again:
+            frames = transport.recv_frames(self._sock)
+            if frames is None:
                 return
             if self._renew:  # read, or the poll wakes at once: a lost connection's messages are of its lost ops
                 continue

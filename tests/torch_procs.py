@@ -840,6 +840,21 @@ def collectives_case(rank: int, world: int, address: str) -> dict[str, Any]:
         out[f"all_gather_{dtype}"] = tuple(gathered)
     both("broadcast_empty_int64", lambda: torch.empty(0, dtype=torch.int64),
          lambda t, grp: dist.broadcast(t, src=0, group=grp))
+    # Views at an offset that is not a multiple of 8 bytes (slices of a buffer), where the other
+    # ranks' buffers start at 0: the bytes go as one type whatever each rank's offset.
+    spread = torch.randn(world, 9, generator=g)
+    root = 1 % world
+    both("broadcast_offset_view_float", lambda: spread[rank].clone()[1:] if rank == root else torch.zeros(8),
+         lambda t, grp: dist.broadcast(t, src=root, group=grp))
+    gathered = []
+    for grp in (dist.group.WORLD, ours):
+        outs = [torch.zeros(world * 9)[1 + 9 * j : 9 * (j + 1)] for j in range(world)]
+        dist.all_gather(outs, spread[rank][1:], group=grp)
+        gathered.append(outs)
+    out["all_gather_offset_view_float"] = tuple(gathered)
+    both("scatter_offset_view_float", lambda: torch.zeros(11)[3:11],
+         lambda t, grp: dist.scatter(t, [spread[j][1:] for j in range(world)] if rank == 0 else None, src=0,
+                                     group=grp))
 
     # Groups: each its own job, even with OMNIREDUCE_JOB set; tearing one down leaves the others.
     groups: dict[str, Any] = {"world_name": ours.group_name}
@@ -990,7 +1005,9 @@ def p2p_case(rank: int, world: int, address: str) -> dict[str, Any]:
     nxt, prev = (rank + 1) % world, (rank - 1) % world
     g = torch.Generator().manual_seed(rank)
     sent = [torch.randn(4, 3, generator=g), torch.randint(-2**62, 2**62, (7,), generator=g),
-            torch.randn(5, generator=g).to(torch.bfloat16), torch.zeros(0), torch.randn(2, 3, 4, generator=g)]
+            torch.randn(5, generator=g).to(torch.bfloat16), torch.zeros(0), torch.randn(2, 3, 4, generator=g),
+            # A view at 4 bytes into its buffer (the receiver's starts at 0): the same wire type.
+            torch.randn(9, generator=g)[1:]]
     out: dict[str, Any] = {}
     for name, group in (("gloo", dist.group.WORLD), ("omnireduce", ours)):
         got = [torch.full_like(t, -1).contiguous() for t in sent]

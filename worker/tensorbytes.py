@@ -2,8 +2,8 @@
 
 ``broadcast``, ``all_gather``, ``gather``, ``scatter``, ``all_to_all`` and point-to-point
 messages sum bytes of which every rank but one sends zeros: the sum is the owner's bytes,
-bit for bit, for any dtype. They go as the widest integer type their length and offset
-allow (:func:`wide`), as the workers and the aggregator sum integers in int64.
+bit for bit, for any dtype. They go as the widest integer type their length allows
+(:func:`wide`), as the workers and the aggregator sum integers in int64.
 """
 
 from __future__ import annotations
@@ -44,13 +44,19 @@ def from_bytes(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def wide(values: torch.Tensor) -> torch.Tensor:
     """Bytes of which every rank but one sends zeros (so their sum is the same bytes, with no
-    carry from one byte into the next), viewed as the widest integer type their length and
-    offset allow: fewer, wider elements to sum (2 ranks on loopback, an op of 1 MB took 3.5 ms
-    as int64 and 7.3 ms as uint8; 16 MB, 29.5 and 70.5 ms)."""
+    carry from one byte into the next), viewed as the widest integer type their length allows
+    (copied first where their offset is not a multiple of its size): fewer, wider elements to
+    sum (2 ranks on loopback, an op of 1 MB took 3.5 ms as int64 and 7.3 ms as uint8; 16 MB,
+    29.5 and 70.5 ms)."""
     if values.numel() == 0:
         return values
     for dtype in _WIDE:
-        if values.numel() % dtype.itemsize == 0 and values.storage_offset() % dtype.itemsize == 0:
+        if values.numel() % dtype.itemsize == 0:
+            if values.storage_offset() % dtype.itemsize:
+                # The type follows the length alone, which every rank of the op agrees on (a
+                # sender's tensor may be a view at any offset, the receiver's zeros are not):
+                # bytes at an offset the type does not divide are copied to a fresh buffer.
+                values = values.clone()
             return values.view(dtype)
     return values
 

@@ -24,7 +24,7 @@ from aggregator import Aggregator
 from aggregator.liveness import Liveness
 from bench import cluster
 from omnireduce.errors import ConnectionLostError
-from omnireduce.protocol import MAX_ERROR_HEADER_BYTES, Error, ErrorCode, Heartbeat, Hello, decode, encode
+from omnireduce.protocol import MAX_ERROR_HEADER_BYTES, Abort, Error, ErrorCode, Heartbeat, Hello, Start, decode, encode
 from tests.faults import start_daemon
 from tests.helpers import ROOT, ThreadExchange, child_env, run_ranks
 from worker import Worker
@@ -62,6 +62,18 @@ def _steps(live: Liveness, start: float, stop: float, every: float = 0.1) -> flo
         live.due(t)
         t += every
     return t
+
+
+def _router_and_worker(ctx: zmq.Context, job: str, **options: int) -> tuple[zmq.Socket, Worker]:
+    """A bare ROUTER playing the aggregator (socket ``options`` set), and a worker of rank 0 of 2
+    connected to it with short heartbeats."""
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        router.setsockopt(getattr(zmq, name), value)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    return router, Worker(f"tcp://127.0.0.1:{port}", rank=0, world_size=2, job=job, timeout=60, heartbeat=HB,
+                          heartbeat_timeout=HB_TIMEOUT)
 
 
 def test_liveness_sends_to_the_silent_and_drops_them() -> None:
@@ -177,12 +189,7 @@ def test_worker_notices_a_silent_aggregator_behind_its_own_backlog() -> None:
     """A peer that accepts the connection and never reads: the worker's messages back up in
     its own queue, its heartbeats with them; the aggregator's silence must still count."""
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.setsockopt(zmq.RCVHWM, 10)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    w = Worker(f"tcp://127.0.0.1:{port}", rank=0, world_size=2, job="backlog", timeout=60, heartbeat=HB,
-               heartbeat_timeout=HB_TIMEOUT)
+    router, w = _router_and_worker(ctx, "backlog", RCVHWM=10)
     try:
         t0 = time.monotonic()
         futs = [w.allreduce_async(np.ones(4096, np.float32)) for _ in range(3000)]
@@ -201,11 +208,7 @@ def test_worker_that_cannot_open_a_new_socket_fails_new_ops_and_retries(monkeypa
     """Told it was dropped while a new socket cannot be had: no spinning on the old socket's
     messages, new ops fail at once, and the worker connects anew once it can."""
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    w = Worker(f"tcp://127.0.0.1:{port}", rank=0, world_size=2, job="renew", timeout=60, heartbeat=HB,
-               heartbeat_timeout=HB_TIMEOUT)
+    router, w = _router_and_worker(ctx, "renew")
     conn = w._connection
     real_open = conn._open_socket
     try:
@@ -237,6 +240,47 @@ def test_worker_that_cannot_open_a_new_socket_fails_new_ops_and_retries(monkeypa
             raise AssertionError("no new connection")
     finally:
         monkeypatch.setattr(conn, "_open_socket", real_open)
+        w.close()
+        router.close()
+        ctx.term()
+
+
+def test_ops_lost_with_a_connection_are_aborted_once_connected_again() -> None:
+    """An op failed by a dropped connection is ABORTed on the next one, after its HELLO: the
+    aggregator then fails it on every rank, where a slower rank's START would otherwise wait
+    for this rank's, lost with the connection, until its timeout."""
+    ctx = zmq.Context()
+    router, w = _router_and_worker(ctx, "lost-op")
+
+    def next_message(deadline: float) -> tuple[bytes, object]:
+        while time.monotonic() < deadline:
+            if router.poll(200):
+                frames = router.recv_multipart()
+                msg = decode(frames[1:], max_header_bytes=MAX_ERROR_HEADER_BYTES)[0]
+                if not isinstance(msg, Heartbeat):
+                    return frames[0], msg
+        raise AssertionError("no message")
+
+    try:
+        deadline = time.monotonic() + 10
+        first, hello = next_message(deadline)
+        assert isinstance(hello, Hello)
+        fut = w.allreduce_async(np.ones(8, np.float32))
+        _, start = next_message(deadline)
+        assert isinstance(start, Start) and start.op == 0
+        router.send_multipart([first, *encode(Error("?", None, ErrorCode.DROPPED, "silent", []))])
+        with pytest.raises(ConnectionLostError, match="dropped the connection"):
+            fut.result(10)
+        peer, again = next_message(deadline)
+        assert peer != first and isinstance(again, Hello)
+        peer2, abort = next_message(deadline)
+        assert peer2 == peer and isinstance(abort, Abort), abort
+        assert abort.op == 0 and abort.rank == 0 and "ConnectionLostError" in abort.reason, abort
+        # The next op takes the next number.
+        w.allreduce_async(np.ones(8, np.float32))
+        _, start = next_message(deadline)
+        assert isinstance(start, Start) and start.op == 1
+    finally:
         w.close()
         router.close()
         ctx.term()

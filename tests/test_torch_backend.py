@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from aggregator import Aggregator  # noqa: E402
+from omnireduce.errors import CollectiveError  # noqa: E402
 from tests.helpers import run_procs  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -458,6 +459,105 @@ def test_all_to_all_returns_at_once_and_later_collectives_keep_their_numbers(agg
             torch.testing.assert_close(outs[r], want[r])
             torch.testing.assert_close(again[r], want[r])
             torch.testing.assert_close(sums[r], torch.full((2,), 3.0))
+    finally:
+        for g in ranks:
+            g.shutdown()
+
+
+def _outcome(work: Any) -> str:
+    try:
+        work.wait()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank saw
+        return f"{type(e).__name__}: {e}"
+
+
+def test_results_are_written_into_parameters(agg) -> None:
+    # dist.broadcast(param, 0) syncs initial weights; the result is written on a communication
+    # thread, where an in-place write into a leaf that requires grad would be refused.
+    ranks = _p2p_groups(agg, "into-params", 2)
+    try:
+        params = [torch.nn.Parameter(torch.full((3,), float(r + 1))) for r in range(2)]
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        assert [_outcome(w) for w in [ranks[r].broadcast([params[r]], opts) for r in range(2)]] == ["ok", "ok"]
+        got = torch.nn.Parameter(torch.zeros(3))
+        works = [ranks[1].send([torch.full((3,), 5.0)], 0, 0), ranks[0].recv([got], 1, 0)]
+        summed = [torch.nn.Parameter(torch.full((2,), float(r))) for r in range(2)]
+        works += [ranks[r].allreduce([summed[r]]) for r in range(2)]
+        assert [_outcome(w) for w in works] == ["ok"] * 4
+        for p in params:
+            torch.testing.assert_close(p.detach(), torch.full((3,), 1.0))
+            assert p.requires_grad and p.grad is None
+        torch.testing.assert_close(got.detach(), torch.full((3,), 5.0))
+        for p in summed:
+            torch.testing.assert_close(p.detach(), torch.full((2,), 1.0))
+    finally:
+        for g in ranks:
+            g.shutdown()
+
+
+def test_an_all_to_all_that_fails_on_one_rank_only_leaves_the_next_in_step() -> None:
+    # Rank 0's own op timeout (1 s) ends its all_to_all before rank 1 calls; the aggregator's
+    # (20 s) does not, so rank 1's split table completes and it sends its chunks. Rank 0 must
+    # still number that chunk op (refused), or its next all_to_all would take rank 1's chunks
+    # of this one.
+    from worker import Worker
+    from worker.backend import OmniReduceProcessGroup
+
+    aggregator = Aggregator(timeout=20).start()
+    store = dist.HashStore()
+    ranks = [OmniReduceProcessGroup(r, 2, Worker(aggregator.address, rank=r, world_size=2, job="a2a-local-timeout",
+                                                 timeout=(1, 8)[r]), store=store) for r in range(2)]
+    try:
+        def call(r: int, n: int) -> tuple[Any, torch.Tensor]:
+            out = torch.zeros(2)
+            return ranks[r].alltoall_base(out, torch.full((2,), float(100 * n + 10 * r)), [], []), out
+
+        first0, _ = call(0, 1)
+        assert "OpTimeoutError" in _outcome(first0)
+        first1, _ = call(1, 1)
+        started = time.monotonic()
+        outcome = _outcome(first1)
+        # Failed at once, naming rank 0's timeout, not after rank 1's own 8 s.
+        assert "PeerRefusedError" in outcome and "rank 0" in outcome, outcome
+        assert time.monotonic() - started < 5
+        (second0, out0), (second1, out1) = call(0, 2), call(1, 2)
+        assert [_outcome(second0), _outcome(second1)] == ["ok", "ok"]
+        for out in (out0, out1):
+            torch.testing.assert_close(out, torch.tensor([200.0, 210.0]))
+    finally:
+        for g in ranks:
+            g.shutdown()
+        aggregator.close()
+
+
+def test_arguments_found_wrong_late_are_still_refused_on_every_rank(agg) -> None:
+    # Each call is refused on rank 0 (raising there) and fails on rank 1 naming rank 0; the
+    # all_reduce after each shows that the ranks' op numbers are still in step.
+    ranks = _p2p_groups(agg, "late-refusals", 2)
+    scatter = dist.ScatterOptions()
+    scatter.rootRank = 0
+
+    def refused_on_rank0(name: str, call: Any, expected: str) -> None:
+        with pytest.raises(CollectiveError, match=expected):
+            call(0)
+        outcome = _outcome(call(1))
+        assert "PeerRefusedError" in outcome and "rank 0 refused" in outcome, (name, outcome)
+        ts = [torch.full((2,), float(r)) for r in range(2)]
+        assert [_outcome(w) for w in [ranks[r].allreduce([ts[r]]) for r in range(2)]] == ["ok", "ok"], name
+        torch.testing.assert_close(ts[0], torch.full((2,), 1.0))
+
+    try:
+        # The root's inputs: right in total, wrong one by one (gloo refuses them too).
+        refused_on_rank0("scatter", lambda r: ranks[r].scatter(
+            [torch.zeros(4)], [[torch.arange(2.0), torch.arange(6.0)]] if r == 0 else [], scatter),
+            "does not match the output")
+        # An output whose strides no view of world x the input fits.
+        refused_on_rank0("all_gather_into_tensor", lambda r: ranks[r]._allgather_base(
+            torch.zeros(2, 4).t() if r == 0 else torch.zeros(2, 4), torch.ones(4)), "cannot be viewed")
+        refused_on_rank0("all_to_all_single", lambda r: ranks[r].alltoall_base(
+            torch.zeros(2), torch.tensor(1.0) if r == 0 else torch.zeros(2), [], []), "0-dim")
     finally:
         for g in ranks:
             g.shutdown()

@@ -347,3 +347,26 @@ def test_stats_sum_every_counter() -> None:
     assert stats.total.rounds == 5 and stats.total.seconds == 0.75
     for i, n in enumerate(counters):
         assert getattr(stats.total, n) == 11 * (i + 1), n
+
+
+def test_an_op_timed_out_on_one_rank_fails_at_once_on_the_others() -> None:
+    """Rank 0's own timeout (1 s) ends its op before rank 1 starts it; the aggregator's is 30 s.
+    Told (an ABORT), the aggregator fails the op for rank 1 at once, naming rank 0's timeout,
+    and the next op pairs up as before."""
+    with Aggregator(timeout=30).start() as agg:
+        w0 = Worker(agg.address, rank=0, world_size=2, job="local-timeout", timeout=1)
+        w1 = Worker(agg.address, rank=1, world_size=2, job="local-timeout", timeout=20)
+        try:
+            x = np.arange(16, dtype=np.float32)
+            with pytest.raises(OpTimeoutError):
+                w0.allreduce(x)
+            started = time.monotonic()
+            with pytest.raises(PeerRefusedError, match="rank 0 refused the op: OpTimeoutError"):
+                w1.allreduce(x)
+            assert time.monotonic() - started < 5
+            futures = [w.allreduce_async(x * (r + 1)) for r, w in enumerate((w0, w1))]
+            for f in futures:
+                np.testing.assert_array_equal(f.result(10), x * 3)
+        finally:
+            w0.close()
+            w1.close()

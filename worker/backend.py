@@ -51,10 +51,10 @@ from omnireduce import config
 from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.api import Allreducer, connect
 from worker.autoload import BACKEND_NAME, register
-from worker.futures import Settable
 from worker.loop import fail_future, forward
 from worker.p2p import PeerLinks
 from worker.tensorbytes import as_bytes, byte_view, bytes_of, from_bytes, sized, sized_bytes, wide
+from worker.work import OmniReduceWork
 
 logger = logging.getLogger(__name__)
 
@@ -147,137 +147,6 @@ def _op_type(opts: Any, default: Any = dist.ReduceOp.SUM) -> Any:
     return getattr(op, "op", op)
 
 
-class OmniReduceWork(dist._Work):
-    """A collective in flight: completes when every part of it has, fails when any part fails.
-
-    ``wait()`` raises :class:`CollectiveError` if the collective failed, as torch's
-    own backends' works do; ``get_future()`` is completed with the collective's
-    result or fails with the same error (a ``RuntimeError`` naming it: see
-    :mod:`worker.futures`).
-
-    Args:
-        parts: (worker future, finish) pairs: ``finish(result)`` writes a part's
-            result where it belongs; it runs only once every part succeeded, so a
-            failed collective changes no tensor.
-        value: the future's value once every part finished.
-        what: names the collective in error messages.
-        source: a recv from any source's: its ``finish`` appends the sender's rank.
-    """
-
-    def __init__(self, parts: list[tuple[ConcurrentFuture, Callable[[Any], None]]], value: Any, what: str,
-                 source: list[int] | None = None) -> None:
-        super().__init__()
-        self._source = source
-        self._result = Settable()
-        self._what = what
-        self._value = value
-        self._parts = parts
-        self._results: list[Any] = [None] * len(parts)
-        self._left = len(parts)
-        self._error: CollectiveError | None = None
-        self._lock = threading.Lock()
-        self._settled = threading.Event()
-        if not parts:
-            self._settle()
-        for i, (src, _) in enumerate(parts):
-            src.add_done_callback(lambda s, i=i: self._on_part(i, s))
-
-    def _on_part(self, i: int, src: ConcurrentFuture) -> None:
-        try:
-            result = src.result()
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the Work
-            with self._lock:
-                first = self._error is None
-                if first:
-                    self._error = CollectiveError(f"omnireduce {self._what} failed: {type(e).__name__}: {e}")
-                    self._error.__cause__ = e
-                self._left -= 1
-                last = self._left == 0
-            if first:
-                logger.warning("omnireduce %s failed: %s: %s", self._what, type(e).__name__, e)
-            if last:
-                self._settle()
-            return
-        with self._lock:
-            self._results[i] = result
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self._settle()
-
-    def _settle(self) -> None:
-        # Every part has finished: no worker writes into its tensors any more.
-        if self._error is None:
-            try:
-                for (_, finish), result in zip(self._parts, self._results, strict=True):
-                    finish(result)
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the Work
-                if isinstance(e, CollectiveError):
-                    # A check of the result (e.g. ranks that disagree), raised before anything is written.
-                    logger.warning("omnireduce %s failed: %s", self._what, e)
-                else:
-                    logger.exception("omnireduce %s: writing the result failed", self._what)
-                self._error = CollectiveError(f"omnireduce {self._what} failed: {type(e).__name__}: {e}")
-                self._error.__cause__ = e
-        self._parts, self._results = [], []
-        self._settled.set()
-        if self._error is not None:
-            self._result.fail(self._error)
-        else:
-            self._result.set(self._value)
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """Waits for the collective; raises :class:`CollectiveError` if it failed.
-
-        Args:
-            timeout: how long to wait at most (None or 0: until the collective ends, which the
-                group's op timeout bounds, see :func:`_timeout_of`). A collective still running
-                then raises :class:`CollectiveError` here, as torch's works do, and goes on: its
-                tensors are written if it completes, and a later ``wait()`` says how it ended.
-        """
-        seconds = None if timeout is None else timeout.total_seconds()
-        if seconds is not None and seconds > 0 and not self._settled.wait(seconds):
-            raise CollectiveError(f"omnireduce {self._what} did not complete within {seconds:g} s (the timeout "
-                                  "given to wait()); it goes on")
-        try:
-            self._result.future.wait()
-        except Exception:
-            if self._error is None:
-                raise
-            raise self._error from None
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return self._result.future
-
-    def _source_rank(self) -> int:
-        """The rank a recv from any source took its message from (torch's ``recv`` and
-        ``irecv`` callers ask it); waits for the receive first."""
-        if self._source is None:
-            raise CollectiveError(f"omnireduce {self._what}: only a recv from any source has a source rank")
-        self.wait()
-        return self._source[0]
-
-    source_rank = _source_rank
-
-    def is_completed(self) -> bool:
-        return self._result.future.done()
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._error is None
-
-    def exception(self) -> Any:
-        return self._error
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        value = self._result.future.value()
-        return value if isinstance(value, list) else [value]
-
-    def synchronize(self) -> None:
-        pass  # CPU only: nothing to order on a device stream
-
-
 class OmniReduceProcessGroup(dist.ProcessGroup):
     """A process group whose collectives are sums through the omnireduce aggregator.
 
@@ -310,7 +179,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         self._a2a_lock = threading.Lock()
         self._a2a_calls = 0
         self._a2a_sent = 0
-        self._a2a_ready: dict[int, Callable[[], None] | None] = {}
+        self._a2a_ready: dict[int, Callable[[], Callable[[], None] | None]] = {}
         # torch keeps a group's name in its backends; this group is its own backend.
         self._name = ""
         self._desc = ""
@@ -527,13 +396,18 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         what = f"all_gather_into_tensor of {_describe(inputs)}"
         try:
             _same_count(outputs, inputs, what)
+            outs = []
             for o, i in zip(outputs, inputs, strict=True):
                 if o.numel() != i.numel() * self._world:
                     raise CollectiveError(f"{what}: an output of {_describe([o])} does not hold {self._world} "
                                           f"inputs of {_describe([i])}")
+                try:
+                    outs.append(list(o.view(self._world, *i.shape).unbind(0)))
+                except RuntimeError as e:  # strides that no view of world x the input's shape fits
+                    raise CollectiveError(f"{what}: an output of {_describe([o])} with strides {o.stride()} cannot "
+                                          f"be viewed as {self._world} inputs: {e}") from e
         except CollectiveError as e:
             self._refuse(e, [self._gathered(t) for t in inputs])
-        outs = [list(o.view(self._world, *i.shape).unbind(0)) for o, i in zip(outputs, inputs, strict=True)]
         return self.allgather(outs, inputs, opts)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
@@ -599,9 +473,14 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             if self._rank == root:
                 if len(input_tensors) != len(output_tensors) or any(len(ins) != self._world for ins in input_tensors):
                     raise CollectiveError(f"{what}: the root needs {self._world} input tensors per output")
-                for ins in input_tensors:
-                    for t in ins:
-                        _strided(t, what)
+                for ins, t in zip(input_tensors, output_tensors, strict=True):
+                    for x in ins:
+                        _strided(x, what)
+                        # Only the total length reaches the aggregator: inputs of other sizes (or
+                        # dtypes) would put bytes in the wrong rank's output; gloo refuses them too.
+                        if x.dtype != t.dtype or x.numel() != t.numel():
+                            raise CollectiveError(f"{what}: an input of {_describe([x])} does not match the "
+                                                  f"output's {_describe([t])}")
         except CollectiveError as e:
             self._refuse(e, [self._gathered(t) for t in output_tensors])
         parts = []
@@ -734,6 +613,8 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         try:
             _dense(input, what)
             _dense(output, what)
+            if input.dim() == 0 or output.dim() == 0:
+                raise CollectiveError(f"{what}: all_to_all_single splits tensors by rows: a 0-dim tensor has none")
             if output.dtype != input.dtype or output.shape[1:] != input.shape[1:]:
                 raise CollectiveError(f"{what}: the output {_describe([output])} does not match the input's rows")
             sent = _splits(input_split_sizes, input.shape[0], self._world, what, "input")
@@ -772,19 +653,34 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         world, me = self._world, self._rank
         chunk_link = self._links(what).group_link("a2a")
         mine = torch.tensor([c.numel() for c in chunks], dtype=torch.int64)
-        table_op, _ = self._gather_values(mine)
         with self._a2a_lock:
+            # The call-order number with the table's op: two threads' all_to_alls send their
+            # chunks in the order their tables were numbered.
             seq = self._a2a_calls
             self._a2a_calls += 1
+            table_op, _ = self._gather_values(mine)
         result: ConcurrentFuture = ConcurrentFuture()
         layout: dict[str, Any] = {}
+
+        def skip(error: BaseException) -> None:
+            # This rank sends no chunks, yet numbers their op (in call order) and fails it on
+            # every rank: a table op that failed here only (this rank's own timeout, a lost
+            # connection) must not leave the other ranks' chunk op unpaired, or every later
+            # all_to_all would pair with the one before it.
+            def refuse() -> None:
+                try:
+                    chunk_link.refuse(error)
+                except OmniReduceError as e:
+                    logger.debug("omnireduce %s: the chunks' op could not be refused: %s", what, e)
+                return None
+
+            self._a2a_release(seq, refuse)
+            fail_future(result, error)
 
         def send_chunks(f: ConcurrentFuture) -> None:
             error = f.exception()
             if error is not None:
-                # Failed on every rank (an op fails for all of its ranks): none sends the chunks.
-                self._a2a_release(seq, None)
-                fail_future(result, error)
+                skip(error)
                 return
             try:
                 table = f.result().view(torch.int64).view(world, world)
@@ -796,16 +692,16 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                     gathered[me * longest : me * longest + data.numel()] = data
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the Work
                 logger.exception("omnireduce %s: laying out the chunks failed", what)
-                self._a2a_release(seq, None)
-                fail_future(result, e)
+                skip(e)
                 return
             layout.update(table=table, n=longest)
 
-            def submit() -> None:
+            def submit() -> Callable[[], None]:
                 try:
-                    forward(as_bytes(chunk_link.allreduce_async(wide(gathered))), result)
+                    src = chunk_link.allreduce_async(wide(gathered))
                 except OmniReduceError as e:
-                    fail_future(result, e)
+                    return lambda error=e: fail_future(result, error)
+                return lambda: forward(as_bytes(src), result)
 
             self._a2a_release(seq, submit)
 
@@ -821,16 +717,21 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
         return result, received
 
-    def _a2a_release(self, seq: int, submit: Callable[[], None] | None) -> None:
-        """Sends all_to_all ``seq``'s chunks (``submit``; None: it sends none) once every earlier
-        all_to_all's have gone: their split tables may complete out of call order (on shards)."""
+    def _a2a_release(self, seq: int, number: Callable[[], Callable[[], None] | None]) -> None:
+        """Numbers all_to_all ``seq``'s chunk op once every earlier all_to_all's has been (their split
+        tables may complete out of call order, on shards): ``number()`` sends or refuses it and
+        returns what completes the all_to_all's future, if anything."""
         with self._a2a_lock:
-            self._a2a_ready[seq] = submit
+            self._a2a_ready[seq] = number
+            then = []
             while self._a2a_sent in self._a2a_ready:
-                ready = self._a2a_ready.pop(self._a2a_sent)
+                then.append(self._a2a_ready.pop(self._a2a_sent)())
                 self._a2a_sent += 1
-                if ready is not None:
-                    ready()
+        # After the lock: completing a future runs its callbacks (the user's, on the Work's
+        # future), which may start another all_to_all.
+        for complete in then:
+            if complete is not None:
+                complete()
 
     # Point to point: each message an op of a job of the two ranks (see worker.p2p).
 

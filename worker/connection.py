@@ -439,9 +439,20 @@ class Connection:
         pending = self._pending
         logger.warning("worker rank %d of job %r: %s; failing ops %s", self.rank, self.job, why, sorted(pending))
         for op in list(pending):
-            self._drop(op, ConnectionLostError(
+            # The ABORT goes out after the next HELLO: an op this rank never STARTed (its START
+            # lost with the connection) would otherwise wait at the aggregator for it, once the
+            # rank is back, until the other ranks' timeout.
+            self._give_up(op, ConnectionLostError(
                 f"{why}; the op's state is gone (new ops use a new connection)", job=self.job, op=op,
             ))
+
+    def _give_up(self, op: int, error: BaseException) -> None:
+        """Fails a pending op that failed on this worker alone, and tells the aggregator (an
+        ABORT, now or once connected), which fails it on every rank: theirs raise at once, not
+        at their timeout, and a rank's late messages do not pair with this dead op."""
+        if op in self._pending:
+            self._drop(op, error)
+            self._post_abort(op, refusal_text(error))
 
     def _drop(self, op: int, error: BaseException) -> None:
         """Fails a pending op and forgets its queued messages."""
@@ -498,15 +509,16 @@ class Connection:
             state = WorkerOp.from_request(self.settings, sub)
             messages = state.start()
         except OmniReduceError as e:
-            self._post_abort(sub.op, refusal_text(e))
+            # The caller's future first: a send that fails (the socket torn down) must not leave it waiting.
             sub.future.set_exception(e)
+            self._post_abort(sub.op, refusal_text(e))
             return
         except Exception as e:  # e.g. MemoryError: fail this op, not the thread
             logger.exception("worker rank %d of job %r op %d: setting up the op failed", self.rank, self.job,
                              sub.op)
             error = OpError(f"op {sub.op}: setting up the op failed: {e!r}", job=self.job, op=sub.op)
-            self._post_abort(sub.op, refusal_text(error))
             sub.future.set_exception(error)
+            self._post_abort(sub.op, refusal_text(error))
             return
         self._pending[sub.op] = _Pending(state, sub, now, now)
         for frames in messages:
@@ -568,12 +580,12 @@ class Connection:
             try:
                 reply = p.state.on_result(msg, body)
             except OmniReduceError as e:
-                self._drop(msg.op, e)
+                self._give_up(msg.op, e)
                 continue
             except Exception as e:  # a malformed result must fail its op, not the thread
                 logger.exception("worker rank %d of job %r op %d: bad result from the aggregator", self.rank, self.job,
                                  msg.op)
-                self._drop(msg.op, ProtocolError(f"bad result from the aggregator for op {msg.op}: {e!r}"))
+                self._give_up(msg.op, ProtocolError(f"bad result from the aggregator for op {msg.op}: {e!r}"))
                 continue
             if msg.batches is not None:  # checked by on_result
                 self.batches = msg.batches
@@ -609,7 +621,9 @@ class Connection:
             if msg.code in _REFUSALS:
                 self._refused = cls(f"aggregator: {msg.message}", job=self.job, ranks=msg.ranks)
             for op in list(pending):
-                self._drop(op, cls(f"aggregator: {msg.message}", job=self.job, op=op, ranks=msg.ranks))
+                # Refused as a connection (then no ABORT goes out), or one message of it was:
+                # the aggregator failed none of these ops on the other ranks.
+                self._give_up(op, cls(f"aggregator: {msg.message}", job=self.job, op=op, ranks=msg.ranks))
             return
         if msg.op in pending:
             logger.warning(
@@ -628,9 +642,13 @@ class Connection:
         for op, p in list(pending.items()):
             if now - p.last_heard > self.timeout:
                 how = "" if self._connected else " (no connection to it)"
-                self._drop(op, OpTimeoutError(
+                error = OpTimeoutError(
                     f"no answer from the aggregator at {self.address} for {self.timeout:g} s{how}", job=self.job, op=op,
-                ))
+                )
+                # The aggregator may wait longer than this worker (its own timeout): told, it fails
+                # the op on every rank now, where it would otherwise still pair a late rank's
+                # message with this dead op (a send "delivered" to a recv that gave up).
+                self._give_up(op, error)
 
     def _check_heartbeats(self, now: float) -> None:
         if now - self._looked > self._stall:

@@ -71,7 +71,10 @@ __all__ = ["Engine", "Outgoing"]
 
 #: A message to send: the peer's routing id and the frames.
 Outgoing = tuple[bytes, list[Any]]
-_TOMBSTONES = 1024
+# Failed ops remembered, to answer a rank that starts one late: per job (one job's failures
+# do not push out another's) and in all (a memory bound: about 250 bytes each).
+_TOMBSTONES_PER_JOB = 1024
+_TOMBSTONES = 65536
 # Python objects of one stream and one op beyond their arrays: an estimate for the byte caps.
 _STREAM_OVERHEAD = 512
 _OP_OVERHEAD = 2048
@@ -111,6 +114,8 @@ class Engine:
         self._ops: dict[tuple[str, int], OpState] = {}
         self._jobs = Jobs(self.limits)
         self._failed: OrderedDict[tuple[str, int], tuple[int, ErrorCode, str, list[int]]] = OrderedDict()
+        # Each job's tombstones' ops, oldest first (the same keys as _failed).
+        self._failed_of: dict[str, OrderedDict[int, None]] = {}
         self._log = RateLimitedLog(logger, clock=clock)
 
     # Read-only views of the counters, for callers that ask the engine.
@@ -293,8 +298,8 @@ class Engine:
             self._forget_failures(j.name)
 
     def _forget_failures(self, job: str) -> None:
-        for key in [k for k in self._failed if k[0] == job]:
-            del self._failed[key]
+        for op in self._failed_of.pop(job, ()):
+            del self._failed[(job, op)]
 
     def _refuse(self, peer: bytes, job: str, rank: int | None, e: Refused) -> list[Outgoing]:
         self.counters.error(e.code.name.lower())
@@ -311,9 +316,7 @@ class Engine:
         op = self._ops.pop(key, None)
         job = self._jobs.get(key[0])
         generation = op.generation if op is not None else job.generation if job is not None else 0
-        self._failed[key] = (generation, code, message, ranks)
-        if len(self._failed) > _TOMBSTONES:
-            self._failed.popitem(last=False)
+        self._remember_failure(key, (generation, code, message, ranks))
         self.counters.ops_failed += 1
         self.counters.error(code.name.lower())
         if op is not None:
@@ -323,6 +326,21 @@ class Engine:
             peers.add(extra_peer)
         frames = encode(Error(key[0], key[1], code, message, ranks))
         return [(p, frames) for p in peers]
+
+    def _remember_failure(self, key: tuple[str, int], tombstone: tuple[int, ErrorCode, str, list[int]]) -> None:
+        self._failed[key] = tombstone
+        self._failed.move_to_end(key)
+        mine = self._failed_of.setdefault(key[0], OrderedDict())
+        mine[key[1]] = None
+        mine.move_to_end(key[1])
+        if len(mine) > _TOMBSTONES_PER_JOB:
+            del self._failed[(key[0], mine.popitem(last=False)[0])]
+        if len(self._failed) > _TOMBSTONES:
+            (job, op), _ = self._failed.popitem(last=False)
+            ops = self._failed_of[job]
+            del ops[op]
+            if not ops:
+                del self._failed_of[job]
 
     # Bytes held, against the limits.
 

@@ -123,6 +123,35 @@ def test_abort_fails_the_op_on_every_rank_before_and_after_their_starts() -> Non
     np.testing.assert_array_equal(outs[0], np.full(10, 3, np.float32))
 
 
+def test_a_jobs_tombstones_outlive_another_jobs_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Failed ops are remembered per job: another job failing more ops than a job keeps does not
+    push out this job's refusal, which a slower rank's START must still hear of; a job keeps its
+    last ones, and the total is bounded."""
+    from aggregator import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_TOMBSTONES_PER_JOB", 8)
+    monkeypatch.setattr(engine_module, "_TOMBSTONES", 20)
+    engine = Engine()
+    jobs = ["y", "x", "w", "v"]
+    for job in jobs:
+        for r in range(2):
+            engine.handle(b"%s%d" % (job.encode(), r), wire(encode(Hello(job, r, 2, 0, ""))))
+    engine.handle(b"y0", wire(encode(Abort("y", 0, 0, "bad"))))
+    for op in range(30):  # job x fails many ops: it keeps its last 8
+        engine.handle(b"x1", wire(encode(Abort("x", 1, op, "lost"))))
+    late = errors_by_peer(engine.handle(b"y1", _start(1, 2, 10, op=0, job="y")))
+    assert late[b"y1"].code == ErrorCode.REFUSED and late[b"y1"].message == "rank 0 refused the op: bad"
+    assert engine.active_ops == 0
+    assert errors_by_peer(engine.handle(b"x0", _start(0, 2, 10, op=29, job="x")))[b"x0"].code == ErrorCode.REFUSED
+    assert engine.handle(b"x0", _start(0, 2, 10, op=21, job="x")) == []  # forgotten: a new op
+    # In all at most 20: jobs w and v fill them, the oldest (of any job) go first.
+    for job in ("w", "v"):
+        for op in range(8):
+            engine.handle(b"%s1" % job.encode(), wire(encode(Abort(job, 1, op, "lost"))))
+    assert len(engine._failed) == 20 and sum(len(v) for v in engine._failed_of.values()) == 20
+    assert ("y", 0) not in engine._failed and ("v", 7) in engine._failed
+
+
 def test_abort_of_a_connection_that_may_not_speak_for_the_rank_is_refused() -> None:
     engine = Engine()
     engine.handle(peer_of(0), wire(encode(Hello("j", 0, 2, 0, "secret"))))

@@ -549,3 +549,43 @@ def test_a_keyed_op_refused_on_one_rank_leaves_the_ranks_sizing_the_next_alike(s
     for y in (y0, y1):
         np.testing.assert_array_equal(y, 2 * x)
     assert ops0 == ops1
+
+
+def test_a_keyed_op_whose_result_fails_to_convert_on_one_rank_leaves_the_next_sized_alike(
+        shards: list[Aggregator]) -> None:
+    """An op of a key that every shard completed, but whose result rank 0 alone fails to
+    convert (a MemoryError, say), still records the union density there: both ranks send the
+    key's next ops to the same shards, in the same turns."""
+    addresses = [a.address for a in shards[:2]]
+    x = np.zeros((63, 16), np.float32)
+    x[:2] = 1.0
+
+    def rank(r: int) -> tuple[list[str], list[int], int]:
+        with connect(addresses, rank=r, world_size=2, job="keyed-conversion", timeout=20, block_size=16,
+                     message_blocks=4, streams=2, shard_bytes=2000) as w:
+            assert isinstance(w, ShardedWorker)
+            real = w._split_host
+            calls = [0]
+
+            def split(*args: Any, **kwargs: Any) -> Any:
+                chunks, options, finish = real(*args, **kwargs)
+                calls[0] += 1
+                if r == 0 and calls[0] == 2:
+                    def failing(_results: Any) -> Any:
+                        raise MemoryError("injected")
+                    return chunks, options, failing
+                return chunks, options, finish
+
+            w._split_host = split  # type: ignore[method-assign]
+            outcomes = []
+            for _ in range(4):
+                try:
+                    np.testing.assert_array_equal(w.allreduce(x, key="k"), 2 * x)
+                    outcomes.append("ok")
+                except OmniReduceError as e:
+                    outcomes.append(type(e).__name__)
+            return outcomes, [s.stats.ops for s in w.shards], w._turn
+
+    (out0, ops0, turn0), (out1, ops1, turn1) = run_ranks(2, rank)
+    assert out0 == ["ok", "OpError", "ok", "ok"] and out1 == ["ok"] * 4
+    assert ops0 == ops1 and turn0 == turn1

@@ -419,8 +419,14 @@ def _sparse_bucket(state: OmniReduceState, index: int, grad: torch.Tensor) -> to
         return _skip(state, what, [grad], key=("sparse", index))
     weight = state.samples
     if weight is None and state.average and state.worker.world_size > 1 and state.error is None:
-        # A new tensor: the gradient DDP gave is not changed.
-        grad = grad / state.worker.world_size
+        try:
+            # A new tensor: the gradient DDP gave is not changed.
+            grad = grad / state.worker.world_size
+        except Exception as e:  # e.g. MemoryError: the op is still numbered (refused) below
+            logger.exception("omnireduce %s: dividing the gradient failed", what)
+            state.record(e)
+    if state.error is not None and not held:
+        return _skip(state, what, [grad], key=("sparse", index))
     state.buckets += 1
     state.paths["sparse"] += 1
     if held:

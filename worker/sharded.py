@@ -107,8 +107,9 @@ class _Gather:
         self.op = op
         self.settled = False
         self.lock = threading.Lock()
-        #: The union's share of the tensor's blocks once the op succeeded (the same on
-        #: every rank: what the next op of its key estimates its bytes from); None if it failed.
+        #: The union's share of the tensor's blocks once every shard's part succeeded (the
+        #: same on every rank: what the next op of its key estimates its bytes from), even if
+        #: converting the result then failed here; None if a part failed.
         self.density: float | None = None
         #: Set once the op completed (and ``density`` is final), before its future is.
         self.done = threading.Event()
@@ -132,19 +133,22 @@ class _Gather:
             self.done.set()
             _settle(self.future, error=self.owner._shard_error(k, error))
             return
+        merged = self.owner._record(self.stats, time.monotonic() - self.started, self.op)
+        # A dense-path op sent every block: its union is unknown, the whole tensor bounds it.
+        # Recorded before the result is converted: a conversion that fails on this rank alone
+        # must not make this rank size the key's next op apart from the others.
+        self.density = merged.union_density if merged.path == "sparse" else 1.0
         try:
             result = self.finish(self.results)
         except Exception as e:  # a failed conversion fails this op, not a shard's thread
             logger.exception("sharded worker rank %d of job %r: result conversion failed",
                              self.owner.rank, self.owner.job)
+            self.results = []
             self.done.set()
             _settle(self.future, error=e if isinstance(e, OmniReduceError) else OpError(f"result conversion: {e!r}"))
             return
         # The worker keeps this object for the next op of its key: not the results.
         self.results = []
-        merged = self.owner._record(self.stats, time.monotonic() - self.started, self.op)
-        # A dense-path op sent every block: its union is unknown, the whole tensor bounds it.
-        self.density = merged.union_density if merged.path == "sparse" else 1.0
         self.done.set()
         # As a plain Worker's future: who waits can see what the op moved (the DDP hook's auto mode).
         self.future.op_stats = merged  # type: ignore[attr-defined]

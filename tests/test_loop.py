@@ -225,3 +225,47 @@ def test_a_sharded_op_wakes_its_loop_once(shards: list[Aggregator], monkeypatch:
     finally:
         monkeypatch.undo()
         w.close()
+
+
+class _RacedFuture(Future):
+    """A future that another thread completes just before this thread's first attempt to:
+    the window between a check of ``done()`` and the set that two completing threads race through."""
+
+    def __init__(self, racer: Any) -> None:
+        super().__init__()
+        self._racer = racer
+
+    def _race(self) -> None:
+        racer, self._racer = self._racer, None
+        if racer is not None:
+            racer(self)
+
+    def set_result(self, result: Any) -> None:
+        self._race()
+        super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self._race()
+        super().set_exception(exception)
+
+
+def _racer_result(f: Future) -> None:
+    Future.set_result(f, 1)
+
+
+def _racer_failure(f: Future) -> None:
+    Future.set_exception(f, RuntimeError("closed"))
+
+
+def test_completing_a_future_that_another_thread_completed_is_a_no_op(caplog: pytest.LogCaptureFixture) -> None:
+    from worker.loop import fail_future, forward
+
+    raced = _RacedFuture(_racer_result)
+    fail_future(raced, RuntimeError("late"))  # must not raise InvalidStateError
+    assert raced.result() == 1
+    src: Future = Future()
+    dst = _RacedFuture(_racer_failure)  # a close gets there first
+    forward(src, dst)
+    with caplog.at_level("ERROR"):
+        src.set_result(5)  # the forward's callback must not raise (concurrent.futures would log it)
+    assert isinstance(dst.exception(), RuntimeError) and not caplog.records

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
@@ -323,8 +323,9 @@ def _end_quietly(svc: Service) -> None:
 
 
 def fail_future(fut: Future, error: BaseException) -> None:
-    """Fails ``fut`` with ``error`` unless it is done already."""
-    if not fut.done():
+    """Fails ``fut`` with ``error`` unless it is done already (by another thread too: a close
+    and a result may race to complete it)."""
+    with contextlib.suppress(InvalidStateError):
         fut.set_exception(error)
 
 
@@ -345,7 +346,7 @@ def forward(src: Future, dst: Future, transform: Callable[[Any], Any] | None = N
             logger.exception("forwarding an op's result failed")
             fail_future(dst, e)
             return
-        if not dst.done():
+        with contextlib.suppress(InvalidStateError):  # completed already (a close that failed it)
             dst.set_result(value)
 
     src.add_done_callback(done)

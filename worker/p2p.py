@@ -16,8 +16,10 @@ Until the receiver's ``recv`` arrives, a message is held by the aggregator (all 
 it, for an eager one): it counts against the aggregator's byte limits
 (``max_job_bytes`` per job, ``max_bytes`` in all, shared with every other job), so
 many large ``isend`` posted long before their ``irecv`` can fail with
-``LimitError``, and the aggregator's op timeout (its ``--timeout``, not the group's)
-bounds how long a message may wait for its ``recv``.
+``LimitError``, and it waits at most the shorter of the sender's op timeout (the
+group's: the sender's worker then aborts the op at the aggregator, so the ``send``
+fails and the next ``recv`` pairs with the next ``send``) and the aggregator's
+(its ``--timeout``).
 
 Messages of one (sender, receiver, tag) pair up in call order, as torch's backends
 match them; each direction and tag has a job (and a connection) of its own, so an

@@ -238,6 +238,14 @@ def test_worker_that_cannot_open_a_new_socket_fails_new_ops_and_retries(monkeypa
                     break
         else:
             raise AssertionError("no new connection")
+        # Then the ABORTs of the op lost with the old connection and of the one refused meanwhile.
+        aborts = []
+        while len(aborts) < 2 and time.monotonic() < deadline:
+            if router.poll(200):
+                msg = decode(router.recv_multipart()[1:], max_header_bytes=MAX_ERROR_HEADER_BYTES)[0]
+                if isinstance(msg, Abort):
+                    aborts.append((msg.op, msg.reason.split(":")[0]))
+        assert aborts == [(0, "ConnectionLostError"), (1, "ConnectionLostError")], aborts
     finally:
         monkeypatch.setattr(conn, "_open_socket", real_open)
         w.close()

@@ -503,6 +503,8 @@ class Connection:
         if self._refused is not None:
             r = self._refused
             sub.future.set_exception(type(r)(r.reason, job=self.job, op=sub.op, ranks=r.ranks))
+            # Refused only until a new socket opens (see _post_abort): the op is ABORTed on it.
+            self._post_abort(sub.op, refusal_text(r))
             return
         now = time.monotonic()
         try:
@@ -525,8 +527,9 @@ class Connection:
             self._post(sub.op, frames)
 
     def _post_abort(self, op: int, reason: str) -> None:
-        if self._refused is not None:
+        if self._refused is not None and not self._renew:
             return  # this connection may not take part in the job: the others hear that instead
+        # (While a new socket cannot be opened, the ABORT waits in the outbox for the next one.)
         logger.info("worker rank %d of job %r op %d: refused here, telling the aggregator: %s", self.rank,
                     self.job, op, reason)
         try:

@@ -269,3 +269,40 @@ def test_completing_a_future_that_another_thread_completed_is_a_no_op(caplog: py
     with caplog.at_level("ERROR"):
         src.set_result(5)  # the forward's callback must not raise (concurrent.futures would log it)
     assert isinstance(dst.exception(), RuntimeError) and not caplog.records
+
+
+def test_a_recv_from_any_source_closed_during_its_pass_posts_nothing() -> None:
+    """close() while the any-source thread reads the senders' counters: the receive fails as
+    closed, and the pass does not post it (it would take a sender's message nobody receives)."""
+    from omnireduce.errors import WorkerClosedError
+    from worker.anysource import AnySource
+
+    posted: list[tuple[int, int]] = []
+    holder: dict[str, AnySource] = {}
+
+    class Links:
+        rank = 0
+        job = "fake"
+
+        def __init__(self) -> None:
+            self.lock = threading.RLock()
+
+        def sent_counts(self, keys: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
+            holder["any"].close()  # the group shuts down while this pass runs
+            return {key: 1 for key in keys}
+
+        def posting(self) -> threading.RLock:
+            return self.lock
+
+        def posted(self, src: int, tag: int) -> int:
+            return 0
+
+        def post(self, x: object, src: int, tag: int) -> Future:
+            posted.append((src, tag))
+            return Future()
+
+    holder["any"] = any_source = AnySource(Links(), timeout=5)  # type: ignore[arg-type]
+    result = any_source.receive(object(), 0, [1, 2])
+    assert isinstance(result.exception(5), WorkerClosedError)
+    time.sleep(0.2)
+    assert posted == []

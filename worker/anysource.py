@@ -118,6 +118,10 @@ class AnySource:
         done = []
         with self._links.posting():
             for r in waiting:
+                if self._closed:
+                    # Closed during this pass: its receives failed already, and one posted now
+                    # would take a sender's message that nobody receives.
+                    break
                 start = self._turn.get(r.tag, 0)
                 order = sorted(r.peers, key=lambda src, start=start: (src < start, src))
                 for src in order:

@@ -375,3 +375,74 @@ def test_reducer_refuses_a_bad_bucket_cap_as_a_config_error(cap: Any) -> None:
     # NaN used to pass (every comparison with it is false) and a string raised a raw TypeError.
     with pytest.raises(ConfigError, match="bucket_cap_mb"):
         GradientReducer(torch.nn.Linear(2, 2), worker=None, bucket_cap_mb=cap)  # type: ignore[arg-type]
+
+
+def _raise_memory_error(_grad: torch.Tensor) -> None:
+    raise MemoryError("simulated")
+
+
+def test_reducer_after_a_backward_that_raised_on_one_rank_fails_every_rank(agg) -> None:
+    """Rank 0's backward raises after its first buckets went out (an OOM the loop catches, the
+    batch skipped). Its next backward must not send the other buckets of a new step to pair with
+    the other rank's old ones (a silent mix of two steps): every rank's reduction fails instead."""
+    from omnireduce import OmniReduceError
+    from tests.helpers import run_ranks
+    from worker import Worker
+    from worker.reducer import GradientReducer
+
+    def rank(r: int) -> list[str]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+        outcomes = []
+        with Worker(agg.address, rank=r, world_size=2, job="reducer-broken-step", timeout=10) as w:
+            reducer = GradientReducer(model, w, bucket_cap_mb=1e-5)  # a bucket per parameter
+            for step in range(3):
+                model.zero_grad()
+                loss = model(torch.full((1, 3), float(step + 1 + 10 * r))).sum()
+                try:
+                    if step == 1 and r == 0:
+                        # Raised when the first layer's gradient comes: the last layer's buckets went out.
+                        handle = model[0].weight.register_hook(_raise_memory_error)
+                        try:
+                            loss.backward()
+                        finally:
+                            handle.remove()
+                    else:
+                        loss.backward()
+                    reducer.synchronize()
+                    outcomes.append("ok")
+                except (MemoryError, OmniReduceError) as e:
+                    outcomes.append(type(e).__name__)
+        return outcomes
+
+    out0, out1 = run_ranks(2, rank)
+    assert out0 == ["ok", "MemoryError", "OmniReduceError"], out0
+    assert out1[0] == "ok" and out1[1:] == ["PeerRefusedError", "OmniReduceError"], out1
+
+
+def test_tracked_ids_are_the_lookup_time_ids(agg) -> None:
+    """The ids of a tracked table are copied at the lookup: an input buffer refilled in place
+    for the next micro-batch (gradient accumulation) does not replace the earlier ids."""
+    from tests.helpers import run_ranks
+    from worker import Worker
+    from worker.reducer import GradientReducer
+
+    micro = [[[1, 2], [3, 4]], [[5, 6], [7, 8]]]  # per rank, per micro-batch
+
+    def rank(r: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        table = torch.nn.Embedding(10, 2)
+        with Worker(agg.address, rank=r, world_size=2, job="tracked-ids-copied", timeout=10) as w:
+            reducer = GradientReducer(table, w, embedding_rows=True, verify_every=0)
+            buf = torch.empty(2, dtype=torch.long)
+            with reducer.no_sync():
+                buf.copy_(torch.tensor(micro[r][0]))
+                table(buf).sum().backward()
+            buf.copy_(torch.tensor(micro[r][1]))
+            table(buf).sum().backward()
+            reducer.synchronize()
+        return table.weight.grad[:, 0].clone()
+
+    expected = torch.tensor([0.0] + [0.5] * 8 + [0.0])
+    for got in run_ranks(2, rank):
+        torch.testing.assert_close(got, expected)

@@ -86,7 +86,9 @@ class RowTracker:
             if torch.is_grad_enabled() and key in self._ids:
                 ids = args[0] if args else kwargs["input"]
                 with self._lock:
-                    self._ids[key].append(ids.detach().reshape(-1))
+                    # A copy: the caller may refill or remap its id tensor in place before the
+                    # sum (a reused input buffer under gradient accumulation).
+                    self._ids[key].append(ids.detach().reshape(-1).clone())
 
         self._handles.append(module.register_forward_hook(looked_up, with_kwargs=True))
 

@@ -175,11 +175,31 @@ class GradientReducer:
         if not self._enabled:
             return
         b = self._buckets[self._bucket_of[id(p)]]
+        if b.index < self._next or b.ready == len(b.params):
+            # A gradient for a bucket this step already has whole: a backward pass began
+            # without synchronize() after the last one (which raised, and the batch was
+            # skipped). Its buckets' ops went out on this rank and the rest did not, so this
+            # rank's ops no longer pair with the others': every later op is refused (the
+            # others' fail at once, naming this rank) rather than summed with another step's.
+            if self.error is None:
+                self.error = OmniReduceError(
+                    "a backward pass began before the last one was synchronized (it raised after "
+                    f"{self._next} of {len(self._buckets)} buckets went out): this rank's ops no longer pair "
+                    "with the other ranks'")
+                logger.error("GradientReducer: %s", self.error)
+            self._reset_step()
         b.ready += 1
         # Launch in bucket order only, so every rank numbers its ops the same way.
         buckets = self._buckets
         while self._next < len(buckets) and buckets[self._next].ready == len(buckets[self._next].params):
-            self._launch(self._buckets[self._next])
+            try:
+                self._launch(self._buckets[self._next])
+            except BaseException as e:
+                # Raised before the bucket's op was numbered (backward raises it): the ranks'
+                # ops are out of step from here on, so every later one is refused.
+                if self.error is None:
+                    self.error = e
+                raise
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
@@ -328,14 +348,19 @@ class GradientReducer:
                     elif value.data_ptr() != p.grad.data_ptr():
                         p.grad.copy_(value)
                     offset += n
-        except OmniReduceError as e:
+        except BaseException as e:
+            # Any failure (a bucket that could not be set up too): later ops are refused.
             if self.error is None:
                 self.error = e
             raise
         finally:
-            for b in self._buckets:
-                b.ready, b.future, b.buffer, b.known = 0, None, None, None
-            self._next = 0
+            self._reset_step()
+
+    def _reset_step(self) -> None:
+        for b in self._buckets:
+            b.ready, b.future, b.buffer, b.known = 0, None, None, None
+        self._next = 0
+        self._held = []
 
     def _set_rows(self, b: _Bucket, out: torch.Tensor) -> None:
         """Gives a tracked table its summed gradient (summed in place, unless it had none)."""

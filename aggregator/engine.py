@@ -75,9 +75,11 @@ Outgoing = tuple[bytes, list[Any]]
 # do not push out another's) and in all (a memory bound: about 250 bytes each).
 _TOMBSTONES_PER_JOB = 1024
 _TOMBSTONES = 65536
+_TOMBSTONE_RANKS = 64
 # Python objects of one stream and one op beyond their arrays: an estimate for the byte caps.
 _STREAM_OVERHEAD = 512
 _OP_OVERHEAD = 2048
+_RANK_OVERHEAD = 16
 # Batch recommendations are sent to jobs of at most this many ranks (they ride in a header).
 _MAX_BALANCE_WORLD = 4096
 
@@ -226,7 +228,11 @@ class Engine:
                 continue
             missing = [r for r, p in enumerate(op.peers) if p is None]
             if not missing:
-                missing = sorted({r for s in op.streams if not s.done for r in s.expected - s.received.keys()})
+                eager = bool(op.params[-1])  # op_params: the eager flag is last
+                # An eager stream waits for every rank (no expected set is kept for it: at thousands
+                # of ranks and streams, sets of every rank would cost far more than the op is charged).
+                missing = sorted({r for s in op.streams if not s.done
+                                  for r in (range(op.world_size) if eager else s.expected) if r not in s.received})
             out += self._fail_op(
                 key, ErrorCode.TIMEOUT,
                 f"op did not complete within {self.timeout:g} s; waiting for ranks {ranks_text(missing)}", missing,
@@ -328,6 +334,11 @@ class Engine:
         return [(p, frames) for p in peers]
 
     def _remember_failure(self, key: tuple[str, int], tombstone: tuple[int, ErrorCode, str, list[int]]) -> None:
+        # The ranks an error names, as remembered for late ranks: at most the first _TOMBSTONE_RANKS
+        # (the error's text says how many there were), so that tombstones stay small at any world size.
+        generation, code, message, ranks = tombstone
+        if len(ranks) > _TOMBSTONE_RANKS:
+            tombstone = (generation, code, message, ranks[:_TOMBSTONE_RANKS])
         self._failed[key] = tombstone
         self._failed.move_to_end(key)
         mine = self._failed_of.setdefault(key[0], OrderedDict())
@@ -432,13 +443,11 @@ class Engine:
             params=op_params(msg), started=self._clock(), peers=[None] * msg.world_size,
             starts=[None] * msg.world_size, streams=[], streams_left=layout.num_streams, generation=j.generation,
         )
-        self._hold(op, None, layout.num_streams * _STREAM_OVERHEAD + _OP_OVERHEAD)
+        # Charged with its per-rank slots (peers, starts): thousands of ranks make them the op's bulk.
+        self._hold(op, None, layout.num_streams * _STREAM_OVERHEAD + _OP_OVERHEAD + op.world_size * _RANK_OVERHEAD)
         j.ops.add(msg.op)
         self._ops[(msg.job, msg.op)] = op
         op.streams = [Stream(s, layout.stream_columns(s)) for s in range(layout.num_streams)]
-        if msg.eager:
-            for s in op.streams:
-                s.expected = set(range(op.world_size))
         self.counters.ops_started += 1
         return op
 

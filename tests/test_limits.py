@@ -44,6 +44,34 @@ def test_ops_in_flight_jobs_and_jobs_per_connection_are_capped() -> None:
     assert code == ErrorCode.LIMIT and "limit of 2 jobs" in message
 
 
+def test_an_ops_per_rank_state_is_charged_and_an_eager_op_keeps_no_set_of_ranks_per_stream() -> None:
+    """An op of thousands of ranks holds per-rank slots that the byte caps must count (else a
+    peer that opens many such ops holds memory no cap sees); an eager op's streams keep no set
+    of every rank (4096 ranks x 1024 streams of sets was 250 MiB charged as 0.5 MiB)."""
+    world = 4096
+    engine = Engine(limits=Limits(max_job_bytes=200_000))
+    start = dict(length=64, block_size=64, message_blocks=1, streams=1)  # one block: an eager op
+    assert engine.handle(peer_of(0), start_frames(0, world, op=0, **start)) == []
+    assert engine.held_bytes >= world * 16
+    op = engine._ops[("j", 0)]
+    assert all(not s.expected for s in op.streams)
+    assert engine.handle(peer_of(0), start_frames(0, world, op=1, **start)) == []
+    (_, code, message), = error_replies(engine.handle(peer_of(0), start_frames(0, world, op=2, **start)))
+    assert code == ErrorCode.LIMIT and "bytes in flight" in message
+
+
+def test_an_eager_op_that_times_out_names_the_ranks_it_waits_for() -> None:
+    clock = [0.0]
+    engine = Engine(timeout=5, clock=lambda: clock[0])
+    start = dict(length=16, block_size=8, message_blocks=1, streams=2)  # two eager streams
+    for r in range(3):
+        engine.handle(peer_of(r), start_frames(r, 3, **start))  # each rank's first stream only: it completes
+    clock[0] = 10.0
+    out = error_replies(engine.expire())
+    assert {code for _, code, _ in out} == {ErrorCode.TIMEOUT} and len(out) == 3
+    assert all(message.endswith("waiting for ranks [0, 1, 2]") for _, _, message in out)
+
+
 def test_held_bytes_are_counted_and_given_back() -> None:
     engine = Engine()
     rng = np.random.default_rng(2)

@@ -306,3 +306,50 @@ def test_a_recv_from_any_source_closed_during_its_pass_posts_nothing() -> None:
     assert isinstance(result.exception(5), WorkerClosedError)
     time.sleep(0.2)
     assert posted == []
+
+
+def test_a_blocking_allreduce_in_an_ops_callback_raises_instead_of_waiting_for_itself() -> None:
+    from worker import Worker, connect
+
+    with Aggregator(timeout=10).start() as a, Aggregator(timeout=10).start() as b:
+        kinds = {
+            "plain": lambda r: Worker(a.address, rank=r, world_size=2, job="cb-plain", timeout=5),
+            "sharded": lambda r: connect([a.address, b.address], rank=r, world_size=2, job="cb-sharded", timeout=5),
+        }
+        for make in kinds.values():
+            with make(0) as w, make(1) as peer:
+                seen: list[BaseException] = []
+
+                def callback(_f: Future, w: Any = w, seen: list[BaseException] = seen) -> None:
+                    try:
+                        w.allreduce(np.ones(4, np.float32))
+                    except RuntimeError as e:
+                        seen.append(e)
+
+                fut = w.allreduce_async(np.ones(4, np.float32))
+                fut.add_done_callback(callback)  # before the peer's op: it runs on the communication thread
+                peer.allreduce(np.ones(4, np.float32))
+                fut.result(5)
+                deadline = time.monotonic() + 5
+                while not seen and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert seen and "would wait for that thread itself" in str(seen[0])
+                both = [w.allreduce_async(np.ones(4, np.float32)), peer.allreduce_async(np.ones(4, np.float32))]
+                for f in both:
+                    np.testing.assert_array_equal(f.result(5), np.full(4, 2, np.float32))
+
+
+def test_a_future_its_caller_completed_does_not_stop_the_communication_thread() -> None:
+    from worker import Worker
+
+    with Aggregator(timeout=10).start() as a:
+        with (Worker(a.address, rank=0, world_size=2, job="caller-completed", timeout=5) as w,
+              Worker(a.address, rank=1, world_size=2, job="caller-completed", timeout=5) as peer):
+            for delay in (0.0, 0.3):  # before the thread takes the op, and once its START went out
+                fut = w.allreduce_async(np.ones(4, np.float32))
+                time.sleep(delay)
+                fut.set_exception(TimeoutError("the caller's own deadline"))  # as some timeout wrappers do
+                peer.allreduce(np.ones(4, np.float32))
+                both = [w.allreduce_async(np.ones(4, np.float32)), peer.allreduce_async(np.ones(4, np.float32))]
+                for f in both:
+                    np.testing.assert_array_equal(f.result(5), np.full(4, 2, np.float32))

@@ -589,3 +589,32 @@ def test_a_keyed_op_whose_result_fails_to_convert_on_one_rank_leaves_the_next_si
     (out0, ops0, turn0), (out1, ops1, turn1) = run_ranks(2, rank)
     assert out0 == ["ok", "OpError", "ok", "ok"] and out1 == ["ok"] * 4
     assert ops0 == ops1 and turn0 == turn1
+
+
+def test_a_keyed_ops_history_holds_neither_its_result_nor_every_key(shards: list[Aggregator],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker keeps each key's last op for its union density only: not its result (a second
+    copy of every DDP bucket), and not every key ever used (the oldest are forgotten, alike on
+    every rank)."""
+    import gc
+    import weakref
+
+    from worker import sharded
+
+    monkeypatch.setattr(sharded, "_KEYS_KEPT", 8)
+    addresses = [a.address for a in shards[:2]]
+
+    def rank(r: int) -> tuple[bool, int, list[int]]:
+        with connect(addresses, rank=r, world_size=2, job="keyed-history", timeout=20, block_size=16,
+                     shard_bytes=1) as w:
+            result = w.allreduce(np.ones(1 << 16, np.float32), key="bucket0")
+            ref = weakref.ref(result)
+            del result
+            gc.collect()
+            for i in range(20):
+                w.allreduce(np.ones(1 << 10, np.float32), key=("step", i))
+            return ref() is None, len(w._last_of), [s.stats.ops for s in w.shards]
+
+    (freed0, kept0, ops0), (freed1, kept1, ops1) = run_ranks(2, rank)
+    assert freed0 and freed1
+    assert kept0 == kept1 == 8 and ops0 == ops1

@@ -360,6 +360,12 @@ def test_an_op_timed_out_on_one_rank_fails_at_once_on_the_others() -> None:
             x = np.arange(16, dtype=np.float32)
             with pytest.raises(OpTimeoutError):
                 w0.allreduce(x)
+            # Rank 0's START is in: a START of rank 1 that overtook its ABORT would complete the op
+            # (rightly: every rank's data is there). The test looks at the ABORT arriving first.
+            deadline = time.monotonic() + 5
+            while agg.engine.ops_failed == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert agg.engine.ops_failed == 1
             started = time.monotonic()
             with pytest.raises(PeerRefusedError, match="rank 0 refused the op: OpTimeoutError"):
                 w1.allreduce(x)

@@ -31,7 +31,7 @@ from worker.auto import PathChooser
 from worker.connection import Connection
 from worker.cuda import CudaOpData, is_cuda_tensor
 from worker.knownrows import KnownRows, KnownRowsOpData, as_known
-from worker.loop import CommLoop
+from worker.loop import WAITS_FOR_ITSELF, CommLoop
 from worker.op import OpRequest, check_destination
 from worker.rows import RowsOpData, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
@@ -321,7 +321,11 @@ class Worker(SettingsView):
 
         Raises:
             OmniReduceError: the op failed (mismatch, timeout, aggregator error, closed worker).
+            RuntimeError: called on the worker's communication thread (in an op's callback),
+                which would wait for itself: use :meth:`allreduce_async` there.
         """
+        if self._connection.on_loop_thread:
+            raise RuntimeError(WAITS_FOR_ITSELF)
         return self.allreduce_async(x, **options).result()
 
     @property

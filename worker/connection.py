@@ -26,11 +26,12 @@ e.g. paused); the socket is then replaced by a new one, which connects anew.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,6 +225,11 @@ class Connection:
             self._loop.put(self, request)
         self._loop.notify()
         return request.op
+
+    @property
+    def on_loop_thread(self) -> bool:
+        """Whether the caller runs on the communication thread (an op's callback)."""
+        return self._loop.on_thread
 
     def abort(self, error: BaseException) -> int | None:
         """Numbers an op that this rank refuses (``error``: why) and tells the aggregator, which
@@ -491,13 +497,13 @@ class Connection:
     def _take(self, sub: OpRequest | AbortRequest) -> None:
         """Starts a submitted op: its first messages go out (or wait for the connection)."""
         if isinstance(sub, AbortRequest):
-            if sub.future.set_running_or_notify_cancel():
+            if _start_future(sub.future):
                 sub.future.set_result(None)
             self._post_abort(sub.op, sub.reason)
             return
-        if not sub.future.set_running_or_notify_cancel():
-            # Cancelled while queued: the op still runs (the other ranks wait for
-            # its number), its result goes nowhere.
+        if not _start_future(sub.future):
+            # Cancelled while queued (or completed by its caller): the op still runs (the other
+            # ranks wait for its number), its result goes nowhere.
             sub.future = Future()
             sub.future.set_running_or_notify_cancel()
         if self._refused is not None:
@@ -598,19 +604,21 @@ class Connection:
                 del pending[msg.op]
                 p.state.stats.seconds = time.monotonic() - p.started
                 self.stats.add(p.state.stats)
-                if p.request.measured is not None:
-                    p.request.measured(p.state.stats)
                 # Who waits on the future can see what its op moved (e.g. the DDP hook's auto mode).
                 p.request.future.op_stats = p.state.stats  # type: ignore[attr-defined]
                 try:
+                    if p.request.measured is not None:
+                        p.request.measured(p.state.stats)
                     result = p.request.restore(p.state.out)
                 except Exception as e:  # e.g. a failed device copy: fail this op, not the thread
                     logger.exception("worker rank %d of job %r op %d: result conversion failed", self.rank, self.job,
                                      msg.op)
-                    p.request.future.set_exception(
-                        e if isinstance(e, OmniReduceError) else OpError(f"op {msg.op}: {e!r}"))
+                    failure = e if isinstance(e, OmniReduceError) else OpError(f"op {msg.op}: {e!r}")
+                    fail_future(p.request.future, failure)
                     continue
-                p.request.future.set_result(result)
+                # A caller that completed its future itself (a timeout wrapper) must not stop this thread.
+                with contextlib.suppress(InvalidStateError):
+                    p.request.future.set_result(result)
 
     def _on_error(self, msg: Error) -> None:
         pending = self._pending
@@ -667,3 +675,11 @@ class Connection:
         elif now - self._heard > self._hb and now - self._pinged > self._hb:
             self._pinged = now
             self._beat()
+
+
+def _start_future(future: Future) -> bool:
+    """Marks a submitted op's future running; False if its caller cancelled or completed it already."""
+    try:
+        return future.set_running_or_notify_cancel()
+    except RuntimeError:  # "in unexpected state: FINISHED": completed by its caller
+        return False

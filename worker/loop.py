@@ -228,7 +228,7 @@ class CommLoop:
                     svc.serve_step(events)
                 for ch in active:
                     ch._expire()
-        except Exception as e:
+        except BaseException as e:  # noqa: BLE001 - SystemExit from a callback too: no connection may stay attached
             logger.exception("worker communication thread %s died", self._thread.name)
             self._die(e, active, poller)
         finally:
@@ -320,6 +320,11 @@ def _end_quietly(svc: Service) -> None:
         svc.serve_end()
     except Exception:
         logger.exception("ending the service %r failed", svc)
+
+
+#: Why a blocking call made on a communication thread is refused.
+WAITS_FOR_ITSELF = ("a blocking allreduce on the worker's communication thread (in an op's callback) would wait "
+                    "for that thread itself: use allreduce_async there")
 
 
 def fail_future(fut: Future, error: BaseException) -> None:

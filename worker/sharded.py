@@ -44,6 +44,7 @@ import logging
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -57,7 +58,7 @@ from omnireduce.layout import shard_eager_pieces
 from worker.client import Worker
 from worker.cuda import check_cuda_torch_dtype, is_cuda_tensor
 from worker.knownrows import KnownRows, as_known
-from worker.loop import CommLoop
+from worker.loop import WAITS_FOR_ITSELF, CommLoop
 from worker.op import LAZY_ZEROS_BYTES, check_destination, lazy_zeros, pages_written
 from worker.rows import RowPieces, ShardChunk, SparseRows, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
@@ -71,6 +72,8 @@ __all__ = ["ShardedWorker", "shard_bounds"]
 # Blocks sampled to guess a tensor's density, which decides how its result is allocated.
 _SAMPLE_BLOCKS = 1024
 _WAIT_MARGIN_S = 60.0
+# Keys whose last op's density is kept (a DDP model has one per bucket).
+_KEYS_KEPT = 4096
 def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, int]]:
     """The element range ``[lo, hi)`` of every shard's chunk of a tensor.
 
@@ -94,8 +97,8 @@ class _Gather:
 
     def __init__(self, owner: ShardedWorker, future: Future, op: int, targets: list[int], finish: Any) -> None:
         self.owner = owner
-        self.future = future
-        self.finish = finish
+        self.future: Future | None = future
+        self.finish: Any = finish
         # Part i of the op went to shard targets[i].
         self.targets = targets
         self.started = time.monotonic()
@@ -130,8 +133,7 @@ class _Gather:
                     return
             self.settled = True
         if error is not None:
-            self.done.set()
-            _settle(self.future, error=self.owner._shard_error(k, error))
+            self._end(error=self.owner._shard_error(k, error))
             return
         merged = self.owner._record(self.stats, time.monotonic() - self.started, self.op)
         # A dense-path op sent every block: its union is unknown, the whole tensor bounds it.
@@ -143,16 +145,21 @@ class _Gather:
         except Exception as e:  # a failed conversion fails this op, not a shard's thread
             logger.exception("sharded worker rank %d of job %r: result conversion failed",
                              self.owner.rank, self.owner.job)
-            self.results = []
-            self.done.set()
-            _settle(self.future, error=e if isinstance(e, OmniReduceError) else OpError(f"result conversion: {e!r}"))
+            self._end(error=e if isinstance(e, OmniReduceError) else OpError(f"result conversion: {e!r}"))
             return
-        # The worker keeps this object for the next op of its key: not the results.
-        self.results = []
-        self.done.set()
         # As a plain Worker's future: who waits can see what the op moved (the DDP hook's auto mode).
+        assert self.future is not None  # ended only here and on a failure, once
         self.future.op_stats = merged  # type: ignore[attr-defined]
-        _settle(self.future, result=result)
+        self._end(result=result)
+
+    def _end(self, **outcome: Any) -> None:
+        # The worker keeps this object for the next op of its key (its density): not what holds
+        # the result or the input (the future, the finishing closure), which would keep a second
+        # copy of every key's tensor alive (a DDP bucket each) until the key's next op.
+        future, self.future, self.finish, self.results = self.future, None, None, []
+        self.done.set()
+        assert future is not None
+        _settle(future, **outcome)
 
 
 class ShardedWorker(SettingsView):
@@ -238,7 +245,7 @@ class ShardedWorker(SettingsView):
         self._ops = 0
         # Per key (kind, dense bytes, the caller's key), the last op: its union density
         # estimates the next one's bytes.
-        self._last_of: dict[Hashable, _Gather] = {}
+        self._last_of: OrderedDict[Hashable, _Gather] = OrderedDict()
         logger.info("worker rank %d of job %r: %d aggregator shards: %s", self.rank, self.job, len(addresses),
                     ", ".join(addresses))
 
@@ -356,7 +363,12 @@ class ShardedWorker(SettingsView):
                     raise self._shard_error(k, e) from e
             self._advance(targets)
             if key is not None:
+                # Every rank sends the same keyed ops in the same order, so every rank forgets the
+                # same keys (a key forgotten sizes its next op as one with no history: density 1).
                 self._last_of[key] = gather
+                self._last_of.move_to_end(key)
+                if len(self._last_of) > _KEYS_KEPT:
+                    self._last_of.popitem(last=False)
         return gather, shard_futures
 
     def _advance(self, targets: list[int], refused: Hashable | None = None) -> None:
@@ -405,7 +417,11 @@ class ShardedWorker(SettingsView):
 
         Raises:
             OmniReduceError: the op failed on a shard (the message names it).
+            RuntimeError: called on the communication thread (in an op's callback), which
+                would wait for itself: use :meth:`allreduce_async` there.
         """
+        if self._loop.on_thread:
+            raise RuntimeError(WAITS_FOR_ITSELF)
         return self.allreduce_async(x, **options).result()
 
     @property

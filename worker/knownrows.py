@@ -12,6 +12,12 @@ The caller's promise is that the rows not listed are zero: they are not read, so
 nonzero value there is left out of the sum. In a new result (or ``out``) every row
 outside the union is zero; in place, such rows are not written at all.
 
+In place (and into ``out``), sums are written as they arrive: an op that fails leaves
+``x`` partly summed, as after a failed in-place gloo allreduce, and on a sharded worker
+the other shards' parts may still write their rows after the call has raised (the op
+fails at its first failed part). Do not reuse ``x`` after a failure before the worker
+is closed.
+
 ``allreduce(coo, dense=True)`` is the same for a sparse tensor (:func:`dense_sum_of`): its
 rows are sent as they are, and the sums land in a dense result instead of a sparse one.
 

@@ -303,3 +303,32 @@ def test_closing_on_the_communication_thread_is_refused() -> None:
                 break
         assert errors and "communication thread" in str(errors[0])
         np.testing.assert_array_equal(w.allreduce(np.ones(10, np.float32)), np.ones(10, np.float32))
+
+
+def test_a_close_that_raises_part_way_still_ends_the_shard_and_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    ex = ThreadExchange(1)
+    w = ColocatedWorker(ex(0), 0, 1, job="close-raises", timeout=5)
+    np.testing.assert_array_equal(w.allreduce(np.ones(4, np.float32)), np.ones(4, np.float32))
+    real_close = w.aggregator.close
+
+    def failing_close() -> None:
+        real_close()
+        raise OSError("a step of close failed")
+
+    monkeypatch.setattr(w.aggregator, "close", failing_close)
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            w.close()
+        except OSError as e:
+            errors.append(e)
+
+    closers = [threading.Thread(target=close) for _ in range(2)]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(30)
+    assert len(errors) == 1  # the one closer that ran the steps; the other found it done
+    assert w._shared_ctx.closed and not w._loop.alive
+    w.close()  # and again: nothing left to do

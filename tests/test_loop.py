@@ -353,3 +353,28 @@ def test_a_future_its_caller_completed_does_not_stop_the_communication_thread() 
                 both = [w.allreduce_async(np.ones(4, np.float32)), peer.allreduce_async(np.ones(4, np.float32))]
                 for f in both:
                     np.testing.assert_array_equal(f.result(5), np.full(4, 2, np.float32))
+
+
+def test_workers_closed_in_an_ops_callback_leave_no_context_or_thread_behind() -> None:
+    import os
+
+    from worker import ShardedWorker, Worker
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    with Aggregator(timeout=10).start() as a, Aggregator(timeout=10).start() as b:
+        before = threads()
+        made = [lambda i: Worker(a.address, rank=0, world_size=1, job=f"cb-close-{i}", timeout=5),
+                lambda i: ShardedWorker([a.address, b.address], rank=0, world_size=1, job=f"cb-close-s{i}",
+                                        timeout=5, shard_bytes=0)]
+        for i in range(6):
+            w = made[i % 2](i)
+            closed = threading.Event()
+            fut = w.allreduce_async(np.ones(8, np.float32))
+            fut.add_done_callback(lambda _f, w=w, closed=closed: (w.close(), closed.set()))
+            assert closed.wait(10)
+        deadline = time.monotonic() + 10
+        while threads() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threads() <= before

@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -117,6 +118,8 @@ class ColocatedWorker(ShardedWorker):
         if close_timeout < 0:
             raise ConfigError(f"close_timeout must be non-negative, got {close_timeout}")
         self.close_timeout = close_timeout
+        self._close_lock = threading.Lock()
+        self._ended = False
         # The aggregator and this rank's workers share one context: inproc needs it.
         self._shared_ctx = zmq.Context()
         inproc = f"inproc://omnireduce-shard-{os.getpid()}-{next(_inproc_ids)}"
@@ -173,21 +176,29 @@ class ColocatedWorker(ShardedWorker):
         Raises:
             RuntimeError: called on the worker's communication thread (an op's callback).
         """
-        if self._closed:
-            return
         if self._loop.on_thread:
             # The thread would wait for itself to serve the shard, then close the context
             # its own sockets are still open on.
             raise RuntimeError("a co-located worker cannot be closed on its communication thread (in an op's "
                                "callback): close it from another thread")
-        self._close_shards()
-        # The communication thread keeps serving this rank's shard meanwhile.
-        deadline = time.monotonic() + self.close_timeout
-        while self.aggregator.engine.active_jobs and self._loop.alive and time.monotonic() < deadline:
-            time.sleep(_POLL_S)
-        if self.aggregator.engine.active_jobs:
-            logger.warning("rank %d: closing its aggregator shard with %d job(s) still on it",
-                           self.rank, self.aggregator.engine.active_jobs)
-        self._loop.close()
-        self.aggregator.close()
-        self._shared_ctx.term()
+        with self._close_lock:
+            # One closer at a time, and a flag of its own (the shards' is set first): a step that
+            # raises does not leave the loop, the shard or the context open.
+            if self._ended:
+                return
+            try:
+                self._close_shards()
+                # The communication thread keeps serving this rank's shard meanwhile.
+                deadline = time.monotonic() + self.close_timeout
+                while self.aggregator.engine.active_jobs and self._loop.alive and time.monotonic() < deadline:
+                    time.sleep(_POLL_S)
+                if self.aggregator.engine.active_jobs:
+                    logger.warning("rank %d: closing its aggregator shard with %d job(s) still on it",
+                                   self.rank, self.aggregator.engine.active_jobs)
+            finally:
+                try:
+                    self._loop.close()
+                    self.aggregator.close()
+                finally:
+                    self._shared_ctx.term()
+                    self._ended = True

@@ -260,6 +260,10 @@ class Connection:
         if self._loop.on_thread:
             if self._own_loop:
                 self._loop.close()
+            if self._own_context:
+                # Ended once the thread has closed its sockets, after this callback: by another
+                # thread, as term() waits for them (else the context and its threads would leak).
+                threading.Thread(target=self._ctx.term, name=f"omnireduce-term-r{self.rank}", daemon=True).start()
             return
         # The thread finishes the connection, or is gone (having failed its ops).
         while not self._finished.wait(0.1) and self._loop.alive:

@@ -562,7 +562,8 @@ class Engine:
             raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent STARTs of the op from two connections",
                                      [rank])
         for s in streams:
-            if rank in s.received:
+            # A stream already summed has forgotten who sent it: a START of it again is a repeat too.
+            if rank in s.received or s.done:
                 raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {rank} sent stream {s.index}'s START twice",
                                          [rank])
         lo_col, hi_col = streams[0].span.start, streams[-1].span.stop
@@ -789,10 +790,14 @@ class Engine:
             )
         if len(body) != 2:
             raise Refused.op_failure(
-                ErrorCode.PROTOCOL, f"BLOCKS from rank {msg.rank} has {len(body)} frames, expected 2"
+                ErrorCode.PROTOCOL, f"BLOCKS from rank {msg.rank} has {len(body)} frames, expected 2", [msg.rank]
             )
         sel = np.flatnonzero(s.match[msg.rank])
-        ptrs = index_array(body[0])
+        try:
+            ptrs = index_array(body[0])
+        except ProtocolError as e:
+            raise Refused.op_failure(ErrorCode.PROTOCOL, f"rank {msg.rank} sent bad block pointers: {e}",
+                                     [msg.rank]) from None
         if len(ptrs) != len(sel):
             raise Refused.op_failure(
                 ErrorCode.PROTOCOL, f"rank {msg.rank} sent {len(ptrs)} pointers, expected {len(sel)}", [msg.rank]

@@ -99,6 +99,38 @@ def test_the_engine_refuses_an_eager_payload_of_the_wrong_size() -> None:
         errs[peer_of(0)].message)
 
 
+def test_a_start_of_a_stream_already_summed_fails_the_op_on_every_rank() -> None:
+    # Two eager streams; stream 0 is summed once both ranks sent it. Sent again, it would
+    # otherwise count as a new stream START: with every rank repeating it, the op would
+    # "complete" with stream 1 never summed.
+    engine = Engine()
+    layout = Layout(64, 8, 4, 2)  # 8 blocks in 8 columns: eager, 2 streams of 4
+    starts = [[wire(f) for f in WorkerOp("j", r, 2, 0, np.ones(64, np.float32), DType.FLOAT32, layout,
+                                         pieces=8).start()] for r in range(2)]
+    assert all(len(s) == 2 for s in starts)  # a START per stream
+    for r in range(2):
+        engine.handle(peer_of(r), starts[r][0])  # stream 0 summed (results out)
+    errs = errors_by_peer(engine.handle(peer_of(0), starts[0][0]))
+    assert set(errs) == {peer_of(0), peer_of(1)}
+    assert all(e.code == ErrorCode.PROTOCOL and "START twice" in e.message for e in errs.values())
+    assert engine.active_ops == 0 and engine.held_bytes == 0 and engine.ops_completed == 0
+
+
+def test_blocks_with_a_pointer_frame_of_odd_length_are_a_protocol_error() -> None:
+    engine = Engine()
+    layout = Layout(64, 4, 2, 1)  # 16 blocks in 2 columns: rounds
+    ops = [WorkerOp("j", r, 2, 0, np.ones(64, np.float32), DType.FLOAT32, layout) for r in range(2)]
+    results = []
+    for r in range(2):
+        results += engine.handle(peer_of(r), wire(ops[r].start()[0]))
+    (peer, frames), = [(p, f) for p, f in results if p == peer_of(0)]
+    msg, body = decode(wire(frames))
+    reply = wire(ops[0].on_result(msg, body))  # rank 0's BLOCKS of round 1
+    reply[1] = reply[1][:7]  # its pointer frame cut to 7 bytes
+    errs = errors_by_peer(engine.handle(peer_of(0), reply))
+    assert errs and all(e.code == ErrorCode.PROTOCOL and e.ranks == [0] for e in errs.values()), errs
+
+
 def test_eager_and_plain_ranks_of_one_op_are_a_mismatch() -> None:
     engine = Engine()
     layout = Layout(32, 4, 8, 1)

@@ -20,6 +20,7 @@ an ERROR, never unbounded memory.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -848,6 +849,7 @@ class Engine:
         aligned = n_out == k * b
         acc_type = op.dtype.accumulator
         acc: np.ndarray | None = None
+        weights = None if op.weights is None else _sane_weights(op.weights)
         # The first whole payload waits for the second, so that the two are summed in
         # one pass (no zeroing, no copy of the first), into a payload that may be
         # written (a received copy, or one widened here) rather than a new array,
@@ -857,7 +859,7 @@ class Engine:
         for rank in sorted(received):
             sel, payload = received[rank]
             # A weighted op sums weight * blocks (a weight of 1 is skipped: plain sums stay bit-identical).
-            w = 1.0 if op.weights is None else float(op.weights[rank])
+            w = 1.0 if weights is None else float(weights[rank])
             if aligned and len(sel) == k:
                 vals = accumulable(payload.reshape(k, b), op.dtype, w)
                 if acc is not None:
@@ -888,9 +890,9 @@ class Engine:
                 acc = np.zeros((k, b), dtype=acc_type)
             else:
                 acc = first if first.flags.writeable else first.copy()
-        if op.weights is not None:
+        if weights is not None:
             # Divided, not multiplied by the inverse: equal weights give the plain mean's bits.
-            acc = np.divide(acc, acc_type.type(op.weights.sum()), dtype=acc_type)
+            acc = np.divide(acc, acc_type.type(weights.sum()), dtype=acc_type)
         summed = from_accumulator(acc, op.dtype)
         if aligned:
             return summed.reshape(-1)
@@ -898,3 +900,14 @@ class Engine:
         for sl, view in blocks.split_payload(out, ids, layout):
             view[:] = summed[sl, : view.shape[1]]
         return out
+
+
+def _sane_weights(weights: np.ndarray) -> np.ndarray:
+    """An op's weights as the sum multiplies by them: as given (sample counts stay exact), or,
+    beyond 2**+-60, scaled by a power of two (exactly, in float64) so that the largest is near 1:
+    weights of 1e-50 (or 1e36) each are a mean all the same, where in a float32 accumulator
+    they would be 0/0 (or inf/inf)."""
+    top = float(weights.max())
+    if 2.0**-60 <= float(weights.min()) and top <= 2.0**60:
+        return weights
+    return np.ldexp(weights, -math.frexp(top)[1])

@@ -610,3 +610,16 @@ def test_fewer_pieces_mean_fewer_starts() -> None:
         counts[pieces] = len(w.start())
     # 8 pieces of 256 blocks (two streams each); 2 of 1024, one message's worth, as with 1.
     assert counts == {8: 8, 2: 2, 1: 2}, counts
+
+
+@pytest.mark.parametrize("weights", [[1e-50, 1e-50], [1e-40, 3e-40], [1e36, 1e36], [3e38, 1e38]])
+@pytest.mark.parametrize("n", [64, 640])  # one row (eager) and rounds
+def test_a_weighted_mean_with_extreme_weights_is_a_mean(weights: list[float], n: int) -> None:
+    # Weights the workers accept (finite, positive) whose products would underflow or overflow
+    # a float32 accumulator (0/0 gave NaN, inf/inf too).
+    xs = [np.full(n, 3.0, np.float32), np.full(n, 7.0, np.float32)]
+    want = (weights[0] * 3.0 + weights[1] * 7.0) / (weights[0] + weights[1])
+    outs, _, _ = run_allreduce([x.copy() for x in xs], DType.FLOAT32, block_size=8, message_blocks=4, streams=2,
+                               weights=weights)
+    for out in outs:
+        np.testing.assert_allclose(out, np.full(n, want, np.float32), rtol=1e-6)

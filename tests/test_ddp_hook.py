@@ -208,3 +208,23 @@ def test_after_a_failure_auto_mode_follows_a_standing_verdict_and_votes_sparse_o
             f.wait()
     assert votes == [("dense", None), ("sparse", 7)]
     assert dense_calls == [8] and w.refused == [(16, (1, 4, torch.float32))] and w.calls == []
+
+
+def test_a_failed_dense_group_bucket_is_the_states_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bucket whose dense-group allreduce fails keeps its error in ``state.error``, as an
+    omnireduce bucket's does, so that the buckets after it are refused."""
+    import worker.ddp as ddp
+
+    class FailedWork:
+        def get_future(self) -> torch.futures.Future:
+            f: torch.futures.Future = torch.futures.Future()
+            f.set_exception(RuntimeError("gloo: connection closed by peer"))
+            return f
+
+    monkeypatch.setattr(ddp.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(ddp.dist, "all_reduce", lambda *a, **k: FailedWork())
+    state = OmniReduceState(_Refusing(), mode="dense", dense_group=object())
+    future = ddp._dense_allreduce(state, torch.ones(4))
+    with pytest.raises(RuntimeError, match="connection closed by peer"):
+        future.wait()
+    assert state.error is not None and "connection closed by peer" in str(state.error)

@@ -521,7 +521,16 @@ def _dense_allreduce(state: OmniReduceState, buf: torch.Tensor) -> torch.futures
         buf.mul_(float(state.samples) / float(total.item()))
     elif state.average and world > 1:
         buf.div_(world)
-    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    def value(f: torch.futures.Future) -> torch.Tensor:
+        try:
+            return f.value()[0]
+        except Exception as e:
+            # As for the omnireduce buckets: the first error is kept, and the later buckets are refused.
+            state.record(e)
+            raise
+
+    return dist.all_reduce(buf, group=group, async_op=True).get_future().then(value)
 
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]

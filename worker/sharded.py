@@ -138,8 +138,12 @@ class _Gather:
         merged = self.owner._record(self.stats, time.monotonic() - self.started, self.op)
         # A dense-path op sent every block: its union is unknown, the whole tensor bounds it.
         # Recorded before the result is converted: a conversion that fails on this rank alone
-        # must not make this rank size the key's next op apart from the others.
+        # must not make this rank size the key's next op apart from the others (nor the DDP
+        # hook's auto mode miss the density that the other ranks record: the stats go on the
+        # future, as a plain Worker's do, whether or not the conversion then fails).
         self.density = merged.union_density if merged.path == "sparse" else 1.0
+        assert self.future is not None  # ended only below and on a failure, once
+        self.future.op_stats = merged  # type: ignore[attr-defined]
         try:
             result = self.finish(self.results)
         except Exception as e:  # a failed conversion fails this op, not a shard's thread
@@ -147,9 +151,6 @@ class _Gather:
                              self.owner.rank, self.owner.job)
             self._end(error=e if isinstance(e, OmniReduceError) else OpError(f"result conversion: {e!r}"))
             return
-        # As a plain Worker's future: who waits can see what the op moved (the DDP hook's auto mode).
-        assert self.future is not None  # ended only here and on a failure, once
-        self.future.op_stats = merged  # type: ignore[attr-defined]
         self._end(result=result)
 
     def _end(self, **outcome: Any) -> None:

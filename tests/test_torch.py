@@ -385,10 +385,14 @@ def test_reducer_after_a_backward_that_raised_on_one_rank_fails_every_rank(agg) 
     """Rank 0's backward raises after its first buckets went out (an OOM the loop catches, the
     batch skipped). Its next backward must not send the other buckets of a new step to pair with
     the other rank's old ones (a silent mix of two steps): every rank's reduction fails instead."""
+    import threading
+
     from omnireduce import OmniReduceError
     from tests.helpers import run_ranks
     from worker import Worker
     from worker.reducer import GradientReducer
+
+    done = threading.Barrier(2)  # neither worker closes (its BYE fails the other's ops) before both are done
 
     def rank(r: int) -> list[str]:
         torch.manual_seed(0)
@@ -413,6 +417,7 @@ def test_reducer_after_a_backward_that_raised_on_one_rank_fails_every_rank(agg) 
                     outcomes.append("ok")
                 except (MemoryError, OmniReduceError) as e:
                     outcomes.append(type(e).__name__)
+            done.wait(60)
         return outcomes
 
     out0, out1 = run_ranks(2, rank)

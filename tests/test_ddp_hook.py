@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from omnireduce.errors import ConfigError  # noqa: E402
 from worker.ddp import OmniReduceState, omnireduce_hook  # noqa: E402
 from worker.rows import SparseRows  # noqa: E402
 
@@ -228,3 +229,16 @@ def test_a_failed_dense_group_bucket_is_the_states_error(monkeypatch: pytest.Mon
     with pytest.raises(RuntimeError, match="connection closed by peer"):
         future.wait()
     assert state.error is not None and "connection closed by peer" in str(state.error)
+
+
+def test_the_hooks_auto_mode_refuses_a_worker_that_chooses_for_itself() -> None:
+    """The worker's own auto mode picks each op's path from its host's cost file alone: beside the
+    hook's auto mode, whose votes every rank must join alike, ranks could drift apart."""
+    choosing = _Worker()
+    choosing.mode = "auto"  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="needs a worker in sparse mode"):
+        OmniReduceState(choosing, mode="auto", dense_group=object())
+    OmniReduceState(choosing, mode="sparse")  # the hook's sparse mode leaves the choice to the worker
+    plain = _Worker()
+    plain.mode = "sparse"  # type: ignore[attr-defined]
+    OmniReduceState(plain, mode="auto", dense_group=object())

@@ -101,6 +101,13 @@ class OmniReduceState:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode != "sparse" and dense_group is None:
             raise ConfigError(f"mode {mode!r} needs a dense_group (a torch process group, e.g. gloo)")
+        if mode == "auto" and getattr(worker, "mode", "sparse") == "auto":
+            # Two choosers: the worker's own picks each op's path from this host's cost file
+            # alone, so ranks could record different densities, and the hook's votes (a
+            # collective of the dense group) would no longer pair up across ranks.
+            raise ConfigError("the hook's auto mode needs a worker in sparse mode, not auto (give the worker "
+                              "mode='sparse', or set OMNIREDUCE_MODE=sparse): the hook's choice is agreed by every "
+                              "rank, the worker's is not")
         self.worker = worker
         self.average = average
         self.samples = samples

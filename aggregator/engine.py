@@ -229,11 +229,10 @@ class Engine:
                 continue
             missing = [r for r, p in enumerate(op.peers) if p is None]
             if not missing:
-                eager = bool(op.params[-1])  # op_params: the eager flag is last
                 # An eager stream waits for every rank (no expected set is kept for it: at thousands
                 # of ranks and streams, sets of every rank would cost far more than the op is charged).
                 missing = sorted({r for s in op.streams if not s.done
-                                  for r in (range(op.world_size) if eager else s.expected) if r not in s.received})
+                                  for r in (range(op.world_size) if op.eager else s.expected) if r not in s.received})
             out += self._fail_op(
                 key, ErrorCode.TIMEOUT,
                 f"op did not complete within {self.timeout:g} s; waiting for ranks {ranks_text(missing)}", missing,

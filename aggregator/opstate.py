@@ -90,6 +90,11 @@ class OpState:
     # Columns whose table cells (world x 9 bytes each) are held against the caps.
     reserved_columns: int = 0
 
+    @property
+    def eager(self) -> bool:
+        """Every rank's nonzero blocks go with its START (:func:`op_params` holds the flag last)."""
+        return bool(self.params[-1])
+
 
 def union_sorted(runs: list[np.ndarray]) -> np.ndarray:
     """The distinct values of ascending arrays, ascending.

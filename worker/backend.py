@@ -179,7 +179,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         self._a2a_lock = threading.Lock()
         self._a2a_calls = 0
         self._a2a_sent = 0
-        self._a2a_ready: dict[int, Callable[[], Callable[[], None] | None]] = {}
+        self._a2a_ready: dict[int, Callable[[], Callable[[], None]]] = {}
         # torch keeps a group's name in its backends; this group is its own backend.
         self._name = ""
         self._desc = ""
@@ -667,15 +667,14 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             # every rank: a table op that failed here only (this rank's own timeout, a lost
             # connection) must not leave the other ranks' chunk op unpaired, or every later
             # all_to_all would pair with the one before it.
-            def refuse() -> None:
+            def refuse() -> Callable[[], None]:
                 try:
                     chunk_link.refuse(error)
                 except OmniReduceError as e:
                     logger.debug("omnireduce %s: the chunks' op could not be refused: %s", what, e)
-                return None
+                return lambda: fail_future(result, error)
 
             self._a2a_release(seq, refuse)
-            fail_future(result, error)
 
         def send_chunks(f: ConcurrentFuture) -> None:
             error = f.exception()
@@ -717,10 +716,10 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
         return result, received
 
-    def _a2a_release(self, seq: int, number: Callable[[], Callable[[], None] | None]) -> None:
+    def _a2a_release(self, seq: int, number: Callable[[], Callable[[], None]]) -> None:
         """Numbers all_to_all ``seq``'s chunk op once every earlier all_to_all's has been (their split
         tables may complete out of call order, on shards): ``number()`` sends or refuses it and
-        returns what completes the all_to_all's future, if anything."""
+        returns what completes the all_to_all's future."""
         with self._a2a_lock:
             self._a2a_ready[seq] = number
             then = []
@@ -730,8 +729,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         # After the lock: completing a future runs its callbacks (the user's, on the Work's
         # future), which may start another all_to_all.
         for complete in then:
-            if complete is not None:
-                complete()
+            complete()
 
     # Point to point: each message an op of a job of the two ranks (see worker.p2p).
 

@@ -422,8 +422,6 @@ def _sparse_bucket(state: OmniReduceState, index: int, grad: torch.Tensor) -> to
     """
     what = f"allreduce of DDP bucket {index} (sparse {tuple(grad.shape)} {grad.dtype}, {grad._nnz()} rows)"
     held = state.coalesce_sparse and grad.sparse_dim() == 1 and grad.dim() == 2
-    if state.error is not None and not held:
-        return _skip(state, what, [grad], key=("sparse", index))
     weight = state.samples
     if weight is None and state.average and state.worker.world_size > 1 and state.error is None:
         try:
@@ -432,6 +430,7 @@ def _sparse_bucket(state: OmniReduceState, index: int, grad: torch.Tensor) -> to
         except Exception as e:  # e.g. MemoryError: the op is still numbered (refused) below
             logger.exception("omnireduce %s: dividing the gradient failed", what)
             state.record(e)
+    # After a failure (an earlier bucket's, or the division's) the op is refused, not sent.
     if state.error is not None and not held:
         return _skip(state, what, [grad], key=("sparse", index))
     state.buckets += 1

@@ -134,11 +134,13 @@ class _Refusing(_Worker):
         self.refused.append((x.numel() * x.element_size(), options.get("key")))
 
 
-def _stub_dense_group(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Makes the hook's dense-group allreduce return its input; returns the sizes it is called with."""
+def _stub_dense_group(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Makes the hook's dense-group allreduce return its input, and its closing agreement of a
+    pass pass the last bucket's future through; returns the sizes the allreduce is called with
+    and "agreement" for each agreement, in order."""
     import worker.ddp as ddp
 
-    calls: list[int] = []
+    calls: list[Any] = []
 
     def dense(state: Any, buf: torch.Tensor) -> torch.futures.Future:
         calls.append(buf.numel())
@@ -146,7 +148,12 @@ def _stub_dense_group(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         f.set_result(buf)
         return f
 
+    def agreement(state: Any, last: torch.futures.Future) -> torch.futures.Future:
+        calls.append("agreement")
+        return last
+
     monkeypatch.setattr(ddp, "_dense_allreduce", dense)
+    monkeypatch.setattr(ddp, "_step_agreement", agreement)
     return calls
 
 
@@ -172,7 +179,8 @@ def test_after_a_failure_buckets_are_refused_on_their_own_path(monkeypatch: pyte
         if mode == "sparse":
             assert w.refused == [(32, (0, 8, torch.float32)), joined] and dense_calls == []
         else:
-            assert w.refused == [joined] and dense_calls == [8]
+            # The pass used the dense group: it ends with the ranks' agreement on it.
+            assert w.refused == [joined] and dense_calls == [8, "agreement"]
 
 
 def test_after_a_failure_auto_mode_follows_a_standing_verdict_and_votes_sparse_on_a_new_one(
@@ -208,7 +216,7 @@ def test_after_a_failure_auto_mode_follows_a_standing_verdict_and_votes_sparse_o
         with pytest.raises(RuntimeError, match="skipped after an earlier failure"):
             f.wait()
     assert votes == [("dense", None), ("sparse", 7)]
-    assert dense_calls == [8] and w.refused == [(16, (1, 4, torch.float32))] and w.calls == []
+    assert dense_calls == [8, "agreement"] and w.refused == [(16, (1, 4, torch.float32))] and w.calls == []
 
 
 def test_a_failed_dense_group_bucket_is_the_states_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -177,6 +177,26 @@ def test_a_bucket_refused_on_one_rank_fails_the_step_at_once_on_every_rank(agg, 
         torch.testing.assert_close(res["after"], torch.full((4,), 3.0))
 
 
+@pytest.mark.parametrize("mode", ["dense", "auto"])
+def test_a_failure_on_one_rank_fails_the_dense_groups_step_on_every_rank(agg, tmp_path, mode: str) -> None:
+    # Every bucket of the dense model goes through gloo (dense mode, or auto mode's verdict after
+    # step 0's measurement). Rank 0 fails alone before step 2: its buckets still join gloo's
+    # allreduce and fail there; rank 1's sums succeed, and the pass's closing agreement fails
+    # its step too, instead of letting it train on untold.
+    results = run_procs("dense_failure_case", 2, tmp_path, agg.address, mode)
+    for rank, res in enumerate(results):
+        assert len(res["errors"]) == 1, (rank, res)
+        step, message, took = res["errors"][0]
+        assert step == 2 and took < 10, (rank, step, took, message)
+        assert res["paths"]["dense"] > 0, res
+        if rank == 0:
+            assert "skipped after an earlier failure: injected" in message, message
+        else:
+            assert "another rank failed this step's DDP buckets" in message, message
+            assert "another rank failed" in res["state_error"], res
+        torch.testing.assert_close(res["after"], torch.full((4,), 3.0))
+
+
 def test_an_op_refused_on_one_rank_fails_the_reducers_step_at_once_on_every_rank(agg, tmp_path) -> None:
     # GradientReducer: rank 0's worker refuses its first op of step 1 (op timeout 60 s); rank 0
     # refuses every bucket after it (dense, the sparse tables' joined op, the unused layer's),

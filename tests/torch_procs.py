@@ -990,6 +990,36 @@ def ddp_refusal_case(rank: int, world: int, address: str) -> dict[str, Any]:
         return {"errors": errors, "state_error": repr(state.error), "buckets": state.buckets, "after": after}
 
 
+def dense_failure_case(rank: int, world: int, address: str, mode: str) -> dict[str, Any]:
+    """DDP with the hook in ``mode`` ("dense" or "auto") on a dense model, whose buckets take the
+    dense group (gloo): before step 2 rank 0 alone fails (``state.error`` set, as by a bucket
+    result it could not write). What each rank's backward raises first, and whether gloo's
+    collectives still pair up afterwards."""
+    from worker import Worker
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 1)), bucket_cap_mb=0.02)
+    x = torch.randn(8, 64) + rank
+    with Worker(address, rank=rank, world_size=world, job=f"dense-failure-{mode}-{world}", timeout=60) as w:
+        state = OmniReduceState(w, mode=mode, dense_group=dist.group.WORLD, probe_every=100)
+        model.register_comm_hook(state, omnireduce_hook)
+        errors = []
+        for n in range(4):
+            if n == 2 and rank == 0:
+                state.record(RuntimeError("injected: a failure on rank 0 alone"))
+            start = time.monotonic()
+            try:
+                model.zero_grad()
+                model(x).sum().backward()
+            except Exception as e:  # noqa: BLE001 - the test checks type and text
+                errors.append((n, f"{type(e).__name__}: {e}", time.monotonic() - start))
+                break
+        after = torch.ones(4) * (rank + 1)
+        dist.all_reduce(after)
+        return {"errors": errors, "paths": dict(state.paths), "state_error": repr(state.error), "after": after}
+
+
 def p2p_case(rank: int, world: int, address: str) -> dict[str, Any]:
     """Point-to-point messages on gloo (the default group) and on an omnireduce group, the
     same calls on each: {name: (gloo's received tensors, omnireduce's)}, and what a refused

@@ -85,7 +85,8 @@ class OmniReduceState:
     """
 
     __slots__ = ("worker", "average", "samples", "dense_group", "mode", "paths", "error", "buckets", "_chooser",
-                 "_lock", "coalesce_sparse", "_held", "votes", "_agreed", "_kinds", "_last_kinds", "rows")
+                 "_lock", "coalesce_sparse", "_held", "votes", "_agreed", "_kinds", "_last_kinds", "rows",
+                 "_dense_step")
 
     def __init__(
         self,
@@ -134,6 +135,8 @@ class OmniReduceState:
         #: The dense embedding tables whose buckets go out as their looked-up rows
         #: (:func:`worker.embedding_rows.track_embedding_rows` sets it).
         self.rows: RowTracker | None = None
+        # Whether this backward pass sent a bucket through the dense group (see _step_agreement).
+        self._dense_step = False
 
     def record(self, error: BaseException) -> None:
         with self._lock:
@@ -204,13 +207,46 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         _send_held(state)
     index = bucket.index()
     state._kinds[index] = sparse
+    last = bucket.is_last()
+    dense_step = False
     try:
-        return _hook(state, bucket)
+        future = _hook(state, bucket)
     finally:
-        if state._held and (bucket.is_last() or not _sparse_follows(state, index)):
+        if state._held and (last or not _sparse_follows(state, index)):
             _send_held(state)
-        if bucket.is_last():
+        if last:
             state._last_kinds, state._kinds = state._kinds, {}
+            dense_step, state._dense_step = state._dense_step, False
+    if dense_step:
+        future = _step_agreement(state, future)
+    return future
+
+
+def _step_agreement(state: OmniReduceState, last: torch.futures.Future) -> torch.futures.Future:
+    """The last bucket's future, failed on every rank if any rank's ``state.error`` was set.
+
+    A bucket of the dense group that a failed rank joins (:func:`_skip_dense`) fails only
+    there: the other ranks' sums succeed, and without this they would train on, never
+    told, while that rank raises at every step. So a pass that used the dense group ends
+    with a one-int MIN allreduce on it of "no error here", which every rank runs (the
+    buckets' paths are agreed, so every rank sees a dense one alike); a sparse-protocol
+    bucket needs none, as a failed rank refuses it on every rank.
+    """
+    ok = torch.tensor([int(state.error is None)], dtype=torch.int32)
+    flag = dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=state.dense_group, async_op=True).get_future()
+
+    def check(both: torch.futures.Future) -> torch.Tensor:
+        bucket, agreed = both.value()
+        value = bucket.value()  # this bucket's own error first
+        agreed.value()
+        if not ok.item() and state.error is None:
+            error = CollectiveError("omnireduce: another rank failed this step's DDP buckets after an earlier "
+                                    "failure there (that rank's state.error says why); the sums are not used")
+            state.record(error)
+            raise error
+        return value
+
+    return torch.futures.collect_all([last, flag]).then(check)
 
 
 def _sparse_follows(state: OmniReduceState, index: int) -> bool:
@@ -240,6 +276,7 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
             path, basis = chooser.plan(key, buf.numel(), buf.element_size())
             path = _agree(state, key, "sparse" if basis is not None else path, basis)
         if path == "dense":
+            state._dense_step = True
             return _skip_dense(state, what, buf)
         ops = [buf] if parts is None else [part.view for part in parts]
         return _skip(state, what, ops, key=key if parts is None else None)
@@ -251,6 +288,7 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
         path = _agree(state, key, path, basis)
     state.paths[path] += 1
     if path == "dense":
+        state._dense_step = True
         state.buckets += 1
         return _dense_allreduce(state, buf)
     weight = state.samples

@@ -141,6 +141,8 @@ class Jobs:
                 )
             if msg.generation > j.generation:
                 self._check_world(msg.world_size)
+                # Refused before anything changes: a HELLO refused must not restart the job.
+                self._check_bound_jobs(peer, j.name)
                 logger.warning(
                     "job=%r: restarted as generation %d by rank %d (was %d); failing its %d ops in flight",
                     j.name, msg.generation, msg.rank, j.generation, len(j.ops),
@@ -203,6 +205,11 @@ class Jobs:
                 ErrorCode.PROTOCOL, f"this connection is rank {b.rank} of the job, not rank {msg.rank}",
                 msg.op, [msg.rank],
             )
+        if j.members.get(b.rank) != peer:
+            # Taken over by a newer connection, or a job of the same name made anew (maybe with
+            # another token) since this one joined: it speaks for that rank no more.
+            raise Refused(ErrorCode.STALE, f"this connection no longer holds rank {b.rank} of the job (another "
+                                           f"connection took it over, or the job was made anew)", msg.op)
         return j
 
     def unbind(self, peer: bytes, reason: str) -> list[tuple[Job, int, bool | None]]:
@@ -256,12 +263,15 @@ class Jobs:
         if world_size > self.limits.max_world_size:
             raise Refused(ErrorCode.LIMIT, f"world size {world_size} exceeds the limit of {self.limits.max_world_size}")
 
-    def _check_room(self, peer: bytes, job: str) -> None:
+    def _check_bound_jobs(self, peer: bytes, job: str) -> None:
         bound = self._bindings.get(peer, {})
         if job not in bound and len(bound) >= self.limits.max_jobs_per_connection:
             raise Refused(
                 ErrorCode.LIMIT, f"one connection may join at most {self.limits.max_jobs_per_connection} jobs"
             )
+
+    def _check_room(self, peer: bytes, job: str) -> None:
+        self._check_bound_jobs(peer, job)
         if len(self._jobs) >= self.limits.max_jobs:
             raise Refused(ErrorCode.LIMIT, f"the aggregator serves its limit of {self.limits.max_jobs} jobs")
 
@@ -280,11 +290,8 @@ class Jobs:
             # A late HELLO of a connection that closed (its worker connected again, and the
             # newer connection's HELLO was read first): it never takes the rank back.
             raise Refused(ErrorCode.STALE, f"rank {rank} is held by a newer connection of the job")
+        self._check_bound_jobs(peer, j.name)
         bound = self._bindings.setdefault(peer, {})
-        if j.name not in bound and len(bound) >= self.limits.max_jobs_per_connection:
-            raise Refused(
-                ErrorCode.LIMIT, f"one connection may join at most {self.limits.max_jobs_per_connection} jobs"
-            )
         before = bound.get(j.name)
         if before is not None and before.rank != rank and j.members.get(before.rank) == peer:
             # One connection is one rank: it leaves the rank it held.

@@ -39,8 +39,10 @@ class Limits:
         max_job_bytes: bytes held for one job's ops in flight (pointer tables and
             blocks waiting for the rest of their round).
         max_bytes: bytes held for all jobs together.
-        max_message_bytes: largest frame accepted (``zmq.MAXMSGSIZE``: a peer sending
-            more is disconnected); an op whose messages could be larger is refused.
+        max_message_bytes: largest frame accepted (``zmq.MAXMSGSIZE``: ZeroMQ disconnects a
+            peer sending more, before the engine sees it; the worker's ConnectionLostError
+            then names its op's largest message); an op whose messages could be larger, but
+            whose first START fits, is refused (LimitError).
         max_streams: streams per op.
         max_jobs_per_connection: jobs one connection may join.
         max_queued_messages: messages ZeroMQ queues per connection before it stops

@@ -166,6 +166,8 @@ class Aggregator:
         self.failure: BaseException | None = None
         self._closed = False
         self._serving = False
+        # Set once serve_forever returns (None unless it was called).
+        self._forever: threading.Event | None = None
         # Connection bookkeeping for the monitor (see the module docstring).
         self._conns = Connections()
         # Departing ids (see Connections), with when, until declared gone.
@@ -228,8 +230,12 @@ class Aggregator:
 
     def serve_forever(self) -> None:
         """Serves in the calling thread until :meth:`close` is called from another thread."""
-        self._claim()
-        self._serve()
+        done = threading.Event()
+        self._claim(forever=done)
+        try:
+            self._serve()
+        finally:
+            done.set()
 
     def close(self) -> None:
         """Stops serving and releases the socket; in-flight ops are abandoned.
@@ -247,10 +253,13 @@ class Aggregator:
             self._metrics.shutdown()
             self._metrics.server_close()
             self._metrics = None
-        if not self._serving or self._thread is not None:
+        if self._forever is not None:
+            # serve_forever's thread closes the sockets once its poll returns: term() before
+            # that would fail its poll (ContextTerminated) and end it as a crash.
+            self._forever.wait()
+        elif not self._serving or self._thread is not None:
             self._close_sockets()
-        # With serve_forever in another thread, that thread closes the sockets and
-        # term() waits for it; a loop serving it (serve_sockets) calls serve_end.
+        # A loop serving it (serve_sockets) closes the sockets in serve_end.
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -387,10 +396,13 @@ class Aggregator:
             if peer in self._conns.departing:  # else it was declared already
                 self._lost(peer, _DEPARTED)
 
-    def _claim(self) -> None:
-        """Marks the aggregator served: by one thread or loop only, and never once closed."""
+    def _claim(self, forever: threading.Event | None = None) -> None:
+        """Marks the aggregator served: by one thread or loop only, and never once closed
+        (``forever``: by serve_forever, which sets it when it returns)."""
         if self._serving or self._closed:
             raise RuntimeError("aggregator already served or closed")
+        # Before _serving: a close() that sees it served by serve_forever waits for it.
+        self._forever = forever
         self._serving = True
 
     def _serve_thread(self) -> None:

@@ -15,7 +15,7 @@ from aggregator import Aggregator
 from aggregator.engine import Engine
 from aggregator.limits import Limits
 from omnireduce.dtypes import DType
-from omnireduce.errors import ProtocolError
+from omnireduce.errors import ConnectionLostError, ProtocolError
 from omnireduce.layout import Layout
 from omnireduce.protocol import ErrorCode, Result, Start, decode, encode
 from tests.helpers import errors_by_peer, peer_of, run_allreduce, wire
@@ -401,6 +401,24 @@ def test_an_eager_op_larger_than_a_frame_limit_is_sent_stream_by_stream() -> Non
         for f in futs:
             np.testing.assert_array_equal(f.result(timeout=30), xs[0] + xs[1])
         assert ws[0].stats.last is not None and ws[0].stats.last.messages_sent == 4
+    finally:
+        for w in ws:
+            w.close()
+        agg.close()
+
+
+def test_a_frame_above_the_aggregators_limit_fails_naming_the_ops_message_size() -> None:
+    # ZeroMQ cuts the connection before the engine could refuse the op: the error says how
+    # large the op's messages are, next to the limit that cuts them.
+    agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=20.0, limits=Limits(max_message_bytes=32 << 10)).start()
+    ws = [worker.connect(agg.address, rank=r, world_size=2, job="too-big", block_size=64, message_blocks=1000,
+                         streams=1, timeout=20) for r in range(2)]
+    try:
+        futs = [w.allreduce_async(np.ones(25_600, np.float32)) for w in ws]
+        for f in futs:
+            with pytest.raises(ConnectionLostError, match="carry up to 102400 bytes: an aggregator cuts the "
+                                                          "connection of a message above its --max-message-bytes"):
+                f.result(timeout=30)
     finally:
         for w in ws:
             w.close()

@@ -11,18 +11,20 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import zmq
 
 from aggregator import Aggregator, Engine
+from aggregator.limits import Limits
 from omnireduce import auth
 from omnireduce.dtypes import DType
 from omnireduce.errors import AuthError, ConfigError, ProtocolError
 from omnireduce.layout import Layout
 from omnireduce.protocol import MAX_ERROR_HEADER_BYTES, Blocks, Bye, Error, ErrorCode, Hello, decode, encode
-from tests.helpers import peer_of, wire
+from tests.helpers import peer_of, start_frames, wire
 from worker import Worker
 from worker.op import WorkerOp
 
@@ -77,6 +79,44 @@ def test_engine_refuses_connections_without_the_token() -> None:
     (_, reply), = engine.handle(peer_of(0), wire(start0))
     assert decode(wire(reply))[0].code == ErrorCode.PROTOCOL
     assert engine.ops_failed == 0 and engine.active_ops == 0
+
+
+def _error_code(out: list[Any]) -> list[Any]:
+    return [getattr(decode(wire(frames))[0], "code", None) for _, frames in out]
+
+
+def test_a_connection_whose_rank_was_taken_over_speaks_for_it_no_more() -> None:
+    engine = Engine()
+    old, new, r1, victim = b"old", b"new", b"r1", b"victim"
+    engine.handle(old, wire(encode(Hello("j", 0, 2, 0, "a"))))
+    assert engine.handle(new, wire(encode(Hello("j", 0, 2, 0, "a")))) == []  # takes rank 0 over
+    engine.handle(r1, wire(encode(Hello("j", 1, 2, 0, "a"))))
+    # The replaced connection's START is refused and joins nothing (before, it was summed, and
+    # the rank's holder then waited out its timeout for an op already done).
+    assert _error_code(engine.handle(old, start_frames(0, 2, op=0))) == [ErrorCode.STALE]
+    assert engine.job_info("j")["ops"] == []
+    # Every member leaves: the job is forgotten, and another tenant makes one of that name with
+    # another token. The old connection, still open, must not sum into it.
+    engine.peer_gone(new)
+    engine.peer_gone(r1)
+    assert engine.job_info("j") is None
+    engine.handle(victim, wire(encode(Hello("j", 1, 2, 0, "b"))))
+    assert engine.handle(victim, start_frames(1, 2, op=0)) == []
+    assert _error_code(engine.handle(old, start_frames(0, 2, op=0))) == [ErrorCode.STALE]
+    assert engine.job_info("j")["ranks"] == [1] and engine.job_info("j")["ops"] == [0]
+    assert engine.active_ops == 1 and engine.ops_completed == 0
+
+
+def test_a_refused_hello_of_a_newer_generation_does_not_restart_the_job() -> None:
+    engine = Engine(limits=Limits(max_jobs_per_connection=1))
+    a, b = b"a", b"b"
+    engine.handle(a, wire(encode(Hello("A", 0, 2, 0, "t"))))
+    assert engine.handle(a, start_frames(0, 2, op=0, job="A")) == []
+    engine.handle(b, wire(encode(Hello("B", 0, 1, 0, "t"))))
+    # b is at its cap of jobs: refused, and job A keeps its generation and its op in flight.
+    assert _error_code(engine.handle(b, wire(encode(Hello("A", 1, 2, 1, "t"))))) == [ErrorCode.LIMIT]
+    info = engine.job_info("A")
+    assert info["generation"] == 0 and info["ranks"] == [0] and info["ops"] == [0]
 
 
 # CURVE (the key files: the `keys` fixture in tests/conftest.py).

@@ -472,6 +472,59 @@ def _outcome(work: Any) -> str:
         return f"{type(e).__name__}: {e}"
 
 
+def test_rooted_collectives_whose_ranks_name_different_roots_fail_on_every_rank(agg) -> None:
+    # Each rank names itself the root: gloo's ranks then wait for each other until their
+    # timeout; here the two "roots'" bytes would be summed into the result, so both fail, and
+    # nothing is written.
+    ranks = _p2p_groups(agg, "two-roots", 2)
+    try:
+        bcast = [dist.BroadcastOptions() for _ in range(2)]
+        scatter = [dist.ScatterOptions() for _ in range(2)]
+        for r in range(2):
+            bcast[r].rootRank = scatter[r].rootRank = r
+        ts = [torch.full((3,), float(r + 1)) for r in range(2)]
+        works = [ranks[r].broadcast([ts[r]], bcast[r]) for r in range(2)]
+        for r, w in enumerate(works):
+            assert "the ranks named different roots" in _outcome(w), r
+            torch.testing.assert_close(ts[r], torch.full((3,), float(r + 1)))
+        outs = [torch.zeros(2) for _ in range(2)]
+        works = [ranks[r].scatter([outs[r]], [[torch.ones(2), torch.ones(2)]], scatter[r]) for r in range(2)]
+        for r, w in enumerate(works):
+            assert "the ranks named different roots" in _outcome(w), r
+        # Named alike, the root may be any rank; and the ranks' ops are still in step.
+        for r in range(2):
+            bcast[r].rootRank = scatter[r].rootRank = 1
+        works = [ranks[r].broadcast([ts[r]], bcast[r]) for r in range(2)]
+        assert [_outcome(w) for w in works] == ["ok", "ok"]
+        torch.testing.assert_close(ts, [torch.full((3,), 2.0)] * 2)
+        works = [ranks[r].scatter([outs[r]], [[torch.ones(2), torch.full((2,), 5.0)]] if r == 1 else [], scatter[r])
+                 for r in range(2)]
+        assert [_outcome(w) for w in works] == ["ok", "ok"]
+        torch.testing.assert_close(outs, [torch.ones(2), torch.full((2,), 5.0)])
+    finally:
+        for g in ranks:
+            g.worker.close()
+
+
+def test_a_bitwise_reduction_of_floats_is_refused_in_the_call(agg) -> None:
+    # As gloo refuses it; before, every rank's bytes went round first, and torch's kernel
+    # error came from the result's writing.
+    ranks = _p2p_groups(agg, "bitwise-floats", 2)
+    try:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.BXOR
+        with pytest.raises(CollectiveError, match="bitwise reductions take integer and bool tensors"):
+            ranks[0].allreduce([torch.ones(3, dtype=torch.float16)], opts)
+        outcome = _outcome(ranks[1].allreduce([torch.ones(3, dtype=torch.int16)], opts))
+        assert "rank 0 refused the op" in outcome, outcome
+        ints = [torch.tensor([3, 5], dtype=torch.int32) * (r + 1) for r in range(2)]
+        assert [_outcome(w) for w in [ranks[r].allreduce([ints[r]], opts) for r in range(2)]] == ["ok", "ok"]
+        torch.testing.assert_close(ints[0], torch.tensor([3 ^ 6, 5 ^ 10], dtype=torch.int32))
+    finally:
+        for g in ranks:
+            g.worker.close()
+
+
 def test_results_are_written_into_parameters(agg) -> None:
     # dist.broadcast(param, 0) syncs initial weights; the result is written on a communication
     # thread, where an in-place write into a leaf that requires grad would be refused.
@@ -558,6 +611,13 @@ def test_arguments_found_wrong_late_are_still_refused_on_every_rank(agg) -> None
             torch.zeros(2, 4).t() if r == 0 else torch.zeros(2, 4), torch.ones(4)), "cannot be viewed")
         refused_on_rank0("all_to_all_single", lambda r: ranks[r].alltoall_base(
             torch.zeros(2), torch.tensor(1.0) if r == 0 else torch.zeros(2), [], []), "0-dim")
+        refused_on_rank0("all_to_all_single splits", lambda r: ranks[r].alltoall_base(
+            torch.zeros(2), torch.zeros(2), [2, 1] if r == 0 else [], []), "split sizes")
+        # The all_to_alls after the refused ones pair up too (they have ops of their own).
+        outs = [torch.zeros(2) for _ in range(2)]
+        works = [ranks[r].alltoall_base(outs[r], torch.tensor([10.0 * r, 10.0 * r + 1]), [], []) for r in range(2)]
+        assert [_outcome(w) for w in works] == ["ok", "ok"]
+        torch.testing.assert_close(outs, [torch.tensor([0.0, 10.0]), torch.tensor([1.0, 11.0])])
     finally:
         for g in ranks:
             g.shutdown()

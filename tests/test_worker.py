@@ -305,6 +305,31 @@ def test_aggregator_refuses_a_timeout_that_would_fail_or_never_end_every_op(time
         Aggregator(listen="tcp://127.0.0.1:0", timeout=timeout)
 
 
+def test_serve_forever_returns_cleanly_when_closed_from_another_thread(caplog) -> None:
+    # The documented use: close() used to terminate the context under the serving thread's
+    # poll, which ended serve_forever with ContextTerminated, logged as a crash.
+    import threading
+
+    agg = Aggregator(listen="tcp://127.0.0.1:0")
+    ended: list[BaseException | None] = []
+
+    def serve() -> None:
+        try:
+            agg.serve_forever()
+            ended.append(None)
+        except BaseException as e:  # noqa: BLE001 - the test checks that there was none
+            ended.append(e)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with Worker(agg.address, rank=0, world_size=1, job="forever", timeout=10) as w:
+        np.testing.assert_array_equal(w.allreduce(np.ones(4, np.float32)), np.ones(4))
+    agg.close()
+    thread.join(10)
+    assert ended == [None] and agg.failure is None
+    assert "loop died" not in caplog.text
+
+
 def test_a_refusal_whose_text_utf8_cannot_encode_is_sent_escaped(aggregator: Aggregator) -> None:
     # A surrogate-escaped file name in the error once killed the communication thread.
     x = np.ones(10, np.float32)

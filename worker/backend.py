@@ -53,7 +53,18 @@ from worker.api import Allreducer, connect
 from worker.autoload import BACKEND_NAME, register
 from worker.loop import fail_future, forward
 from worker.p2p import PeerLinks
-from worker.tensorbytes import as_bytes, byte_view, bytes_of, from_bytes, sized, sized_bytes, wide
+from worker.tensorbytes import (
+    as_bytes,
+    byte_view,
+    bytes_of,
+    from_bytes,
+    rooted_size,
+    roots_of,
+    sized,
+    sized_bytes,
+    wide,
+    with_root,
+)
 from worker.work import OmniReduceWork
 
 logger = logging.getLogger(__name__)
@@ -74,6 +85,9 @@ _GATHERED: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
     dist.ReduceOp.BOR: lambda s: _fold(s, torch.bitwise_or),
     dist.ReduceOp.BXOR: lambda s: _fold(s, torch.bitwise_xor),
 }
+
+
+_BITWISE = (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR)
 
 
 def _fold(stacked: torch.Tensor, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -106,6 +120,10 @@ def _check_reducible(t: torch.Tensor, op: Any, what: str, name: str) -> None:
     if op in _GATHERED:
         if t.is_sparse:
             raise CollectiveError(f"{what}: only SUM and AVG take sparse tensors")
+        if op in _BITWISE and (t.is_floating_point() or t.is_complex()):
+            # Refused in the call (as gloo does), not after every rank's bytes went round.
+            raise CollectiveError(f"the omnireduce backend's {name} cannot use {op} with {t.dtype} ({what}): "
+                                  f"bitwise reductions take integer and bool tensors")
         return
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         raise CollectiveError(f"the omnireduce backend's {name} does not support {op}")
@@ -262,6 +280,15 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             self.worker.refuse(error, x, weight=weight)
         raise error
 
+    def _check_root(self, out: torch.Tensor, root: int, what: str) -> None:
+        """Raises (on every rank alike: all see the same sum) unless every rank named ``root``
+        as the collective's root (:func:`worker.tensorbytes.with_root`); else two "roots'"
+        bytes would have been summed into the result."""
+        total, squares = roots_of(out)
+        if total * total != squares * self._world:
+            raise CollectiveError(f"{what}: the ranks named different roots (their mean is "
+                                  f"{total / self._world:g}, this rank's {root}); nothing was written")
+
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """The size of the op that gathers every rank's bytes of ``t`` (:meth:`_gather_values`)."""
         return sized_bytes(self._world * t.numel() * t.element_size())
@@ -356,14 +383,16 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             for t in tensors:
                 _strided(t, what)
         except CollectiveError as e:
-            self._refuse(e, [sized_bytes(t.numel() * t.element_size()) for t in tensors])
+            self._refuse(e, [sized_bytes(rooted_size(t.numel() * t.element_size())) for t in tensors])
         parts = []
         for t in tensors:
             values = bytes_of(t)
-            values = values.clone() if self._rank == root else torch.zeros_like(values)
+            n = values.numel()
+            values = with_root(values if self._rank == root else None, n, root)
 
-            def finish(out: torch.Tensor, t: torch.Tensor = t) -> None:
-                t.copy_(from_bytes(out, t))
+            def finish(out: torch.Tensor, t: torch.Tensor = t, n: int = n) -> None:
+                self._check_root(out, root, what)
+                t.copy_(from_bytes(out[:n], t))
 
             parts.append((self._submit_bytes(values, what), finish))
         return self._work(parts, tensors, what)
@@ -482,16 +511,16 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                             raise CollectiveError(f"{what}: an input of {_describe([x])} does not match the "
                                                   f"output's {_describe([t])}")
         except CollectiveError as e:
-            self._refuse(e, [self._gathered(t) for t in output_tensors])
+            self._refuse(e, [sized_bytes(rooted_size(self._world * t.numel() * t.element_size()))
+                             for t in output_tensors])
         parts = []
         for i, t in enumerate(output_tensors):
             n = bytes_of(t).numel()
-            if self._rank == root:
-                values = torch.cat([bytes_of(x) for x in input_tensors[i]]).clone()
-            else:
-                values = torch.zeros(n * self._world, dtype=torch.uint8)
+            mine = torch.cat([bytes_of(x) for x in input_tensors[i]]) if self._rank == root else None
+            values = with_root(mine, n * self._world, root)
 
             def finish(out: torch.Tensor, t: torch.Tensor = t, n: int = n) -> None:
+                self._check_root(out, root, what)
                 t.copy_(from_bytes(out[self._rank * n : (self._rank + 1) * n], t))
 
             parts.append((self._submit_bytes(values, what), finish))
@@ -597,7 +626,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             for t in (*output_tensors, *input_tensors):
                 _dense(t, what)
         except CollectiveError as e:
-            self._refuse_exchange(e)
+            self._refuse_exchange(e, what)
         chunks = [bytes_of(t) for t in input_tensors]
 
         def finish(received: list[torch.Tensor]) -> None:
@@ -620,7 +649,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             sent = _splits(input_split_sizes, input.shape[0], self._world, what, "input")
             wanted = _splits(output_split_sizes, output.shape[0], self._world, what, "output")
         except CollectiveError as e:
-            self._refuse_exchange(e)
+            self._refuse_exchange(e, what)
         row = math.prod(input.shape[1:]) * input.element_size()
         data = bytes_of(input)
         edges = [0, *itertools.accumulate(n * row for n in sent)]
@@ -633,9 +662,29 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
 
     all_to_all_single = alltoall_base
 
-    def _refuse_exchange(self, error: CollectiveError) -> NoReturn:
-        # Only the split table's op: with it failed, no rank sends the chunks' op (see _exchange).
-        self._refuse(error, [sized_bytes(self._world * self._world * 8)])
+    def _refuse_exchange(self, error: CollectiveError, what: str) -> NoReturn:
+        """Refuses an all_to_all's two ops (see :meth:`_exchange`): the split table's, and, in
+        its turn among the all_to_alls, the chunks' op, which the other ranks number and fail
+        when their table op fails; without it this rank's later all_to_alls would pair with
+        the others' earlier ones."""
+        try:
+            chunk_link = self._links(what).group_link("a2a")
+        except CollectiveError:
+            raise error from None  # shut down: no op goes out
+        with self._a2a_lock:
+            seq = self._a2a_calls
+            self._a2a_calls += 1
+            self.worker.refuse(error, sized_bytes(self._world * self._world * 8))
+
+        def refuse() -> Callable[[], None]:
+            try:
+                chunk_link.refuse(error)
+            except OmniReduceError as e:
+                logger.debug("omnireduce %s: the chunks' op could not be refused: %s", what, e)
+            return lambda: None
+
+        self._a2a_release(seq, refuse)
+        raise error
 
     def _exchange(self, chunks: list[torch.Tensor], wanted: list[int], finish: Callable[[list[torch.Tensor]], None],
                   what: str) -> tuple[ConcurrentFuture, Callable[[Any], None]]:

@@ -449,11 +449,18 @@ class Connection:
         pending = self._pending
         logger.warning("worker rank %d of job %r: %s; failing ops %s", self.rank, self.job, why, sorted(pending))
         for op in list(pending):
+            # The aggregator cuts a connection that sends a frame above its --max-message-bytes
+            # without a word: the op's largest message says whether that may be why.
+            state = pending[op].state
+            layout = state.layout
+            largest = min(layout.message_blocks, max(layout.num_columns, 1)) * layout.block_size * state.dtype.itemsize
             # The ABORT goes out after the next HELLO: an op this rank never STARTed (its START
             # lost with the connection) would otherwise wait at the aggregator for it, once the
             # rank is back, until the other ranks' timeout.
             self._give_up(op, ConnectionLostError(
-                f"{why}; the op's state is gone (new ops use a new connection)", job=self.job, op=op,
+                f"{why}; the op's state is gone (new ops use a new connection). Its messages carry up to "
+                f"{largest} bytes: an aggregator cuts the connection of a message above its --max-message-bytes",
+                job=self.job, op=op,
             ))
 
     def _give_up(self, op: int, error: BaseException) -> None:

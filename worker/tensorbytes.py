@@ -61,6 +61,31 @@ def wide(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def rooted_size(nbytes: int) -> int:
+    """The length of :func:`with_root`'s bytes for ``nbytes`` of values."""
+    return -(-nbytes // 8) * 8 + 16
+
+
+def with_root(values: torch.Tensor | None, nbytes: int, root: int) -> torch.Tensor:
+    """Bytes of a rooted collective (broadcast, scatter) to sum: the root's ``values`` (zeros
+    on the other ranks), padded to 8 bytes, then ``root`` and ``root**2`` as int64, which every
+    rank adds. :func:`roots_of` reads their sums back: the ranks named one root if and only if
+    ``sum(root)**2 == world * sum(root**2)``, so a misnamed root fails every rank instead of
+    summing two ranks' bytes into the result. The length is a multiple of 8: :func:`wide`
+    sends it as int64, so the sums of the trailer are exact."""
+    out = torch.zeros(rooted_size(nbytes), dtype=torch.uint8)
+    if values is not None:
+        out[:nbytes] = values
+    out[-16:].view(torch.int64).copy_(torch.tensor([root, root * root], dtype=torch.int64))
+    return out
+
+
+def roots_of(out: torch.Tensor) -> tuple[int, int]:
+    """The summed trailer of :func:`with_root`'s bytes: (sum of the roots, sum of their squares)."""
+    total, squares = out[-16:].clone().view(torch.int64).tolist()
+    return total, squares
+
+
 def sized_bytes(nbytes: int) -> torch.Tensor:
     """:func:`sized` of an op of bytes, as :func:`wide` sends them (so a sharded worker
     numbers the refused op on the shards that the other ranks' op takes)."""

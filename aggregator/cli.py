@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "unset with CURVE on: any key, encryption only)",
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any)")
-    p.add_argument("--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint")
+    p.add_argument("--metrics-addr", default=None, help="address of the metrics endpoint (default 127.0.0.1; "
+                   "needs --metrics-port)")
     defaults = Limits()
     for f in dataclasses.fields(Limits):
         p.add_argument(
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not math.isfinite(args.timeout) or args.timeout < 0:
         raise SystemExit("--timeout must be a finite number >= 0")
+    if args.metrics_addr is not None and args.metrics_port is None:
+        raise SystemExit("--metrics-addr needs --metrics-port (no metrics are served without it)")
     received: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             listen=args.listen, timeout=args.timeout or None, limits=limits,
             heartbeat=args.heartbeat, heartbeat_timeout=args.heartbeat_timeout,
             curve_secret_key=args.curve_secret_key, curve_client_keys=args.curve_client_keys,
-            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+            metrics_port=args.metrics_port, metrics_addr=args.metrics_addr or "127.0.0.1",
         )
     except (OSError, ConfigError) as e:
         logger.error("%s", e)

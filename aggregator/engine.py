@@ -274,6 +274,13 @@ class Engine:
         # The op may not have begun here yet: its tombstone answers the other ranks' STARTs.
         # One line in the logs and in the other ranks' errors, whatever the worker sent.
         reason = " ".join(msg.reason.split()) or "no reason given"
+        op = self._ops.get(key)
+        missing = [r for r, p in enumerate(op.peers) if p is None and r != msg.rank] if op is not None else []
+        if missing:
+            # Mostly a rank's own timeout: the other ranks' errors then say whom the op waited for.
+            shown = ", ".join(map(str, missing[:_TOMBSTONE_RANKS]))
+            shown += ", ..." if len(missing) > _TOMBSTONE_RANKS else ""
+            reason += f" (the op still waited for {len(missing)} rank(s) here: {shown})"
         return self._fail_op(key, ErrorCode.REFUSED, f"rank {msg.rank} refused the op: {reason}", [msg.rank])
 
     def _on_hello(self, peer: bytes, msg: Hello) -> list[Outgoing]:
@@ -323,9 +330,10 @@ class Engine:
         job = self._jobs.get(key[0])
         generation = op.generation if op is not None else job.generation if job is not None else 0
         self._remember_failure(key, (generation, code, message, ranks))
-        self.counters.ops_failed += 1
         self.counters.error(code.name.lower())
         if op is not None:
+            # Counted as failed only once begun here (started = completed + failed + active).
+            self.counters.ops_failed += 1
             self._release(op)
         peers = {p for p in (op.peers if op else []) if p is not None}
         if extra_peer is not None:
@@ -432,7 +440,8 @@ class Engine:
                 ErrorCode.MISMATCH, f"rank {msg.rank} asked for a weighted mean of {dtype.name.lower()} elements: "
                 "integer ops are plain sums, without weights", [msg.rank],
             )
-        message = min(msg.message_blocks, max(layout.num_columns, 1)) * msg.block_size * dtype.itemsize
+        # No message carries more than the whole tensor (a short one in one huge block is small).
+        message = min(min(msg.message_blocks, max(layout.num_columns, 1)) * msg.block_size, msg.length) * dtype.itemsize
         if message > lim.max_message_bytes:
             raise Refused.op_failure(ErrorCode.LIMIT, f"messages of this op would carry up to {message} bytes, above "
                                      f"the limit of {lim.max_message_bytes}; use smaller blocks or fewer blocks per "

@@ -23,6 +23,10 @@ __all__ = ["Limits", "Counters", "LATENCY_BUCKETS", "RateLimitedLog"]
 _MIB = 1 << 20
 
 
+# ZeroMQ takes RCVHWM as a C int; the rest fit the int64 the limits are compared in.
+_MAX_LIMIT = {"max_queued_messages": 2**31 - 1}
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Caps on what peers can make the aggregator hold; exceeding one is an ERROR (LIMIT) reply.
@@ -64,6 +68,8 @@ class Limits:
             v = getattr(self, f.name)
             if type(v) is not int or v < 1:
                 raise ConfigError(f"limit {f.name} must be a positive integer, got {v!r}")
+            if v > _MAX_LIMIT.get(f.name, 2**63 - 1):
+                raise ConfigError(f"limit {f.name} must be at most {_MAX_LIMIT.get(f.name, 2**63 - 1)}, got {v}")
         if self.max_world_size > MAX_WORLD_SIZE:
             raise ConfigError(f"max_world_size cannot exceed the protocol's {MAX_WORLD_SIZE}")
 

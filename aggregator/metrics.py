@@ -10,6 +10,7 @@ Metrics (all prefixed ``omnireduce_aggregator_``): ``ops_started_total``,
 ``ops_completed_total``, ``ops_failed_total``, ``messages_in_total``,
 ``bytes_in_total``, ``bytes_out_total``, ``blocks_in_total``, ``blocks_out_total``,
 ``rounds_total``, ``peers_lost_total``, ``send_failures_total``, ``late_dropped_total``,
+``connections_dropped_total``,
 ``errors_total{kind=...}`` (failed ops and refused messages by error code, and
 ``handshake`` for refused connections, ``handshake_aborted`` for peers that closed
 during the handshake, such as a health check's bare TCP connect), ``op_latency_seconds`` (histogram, from an

@@ -62,8 +62,19 @@ _DEPARTED = "disconnected (connection closed)"
 
 
 def _bindable(listen: str) -> str:
-    """ZeroMQ spells "any free port" as ``*``; accept the conventional port 0 too."""
-    return re.sub(r"^(tcp://.+):0$", r"\1:*", listen)
+    """ZeroMQ spells "any free port" as ``*``; accept the conventional port 0 too.
+
+    Raises:
+        ConfigError: a TCP port outside 0-65535 (ZeroMQ would take it modulo 65536).
+    """
+    tcp = re.fullmatch(r"tcp://(.+):([^:\]]*)", listen)
+    if tcp is not None and tcp.group(2) != "*":
+        port = tcp.group(2)
+        if not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"the port of {listen!r} must be 0-65535 (0 or * for any free one)")
+        if int(port) == 0:
+            return f"tcp://{tcp.group(1)}:*"
+    return listen
 
 
 class Aggregator:
@@ -149,13 +160,17 @@ class Aggregator:
         try:
             self._configure(heartbeat, heartbeat_timeout, secret, allowed)
             for endpoint in endpoints:
+                if "[" in endpoint:
+                    # An IPv6 endpoint ("tcp://[::1]:5555"); only then: with it on, IPv4 ones
+                    # bind as IPv4-mapped addresses ("[::ffff:127.0.0.1]"), which IPv4 workers cannot reach.
+                    self._sock.setsockopt(zmq.IPV6, 1)
                 self._sock.bind(_bindable(endpoint))
                 self.addresses.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        except (zmq.ZMQError, ConfigError) as e:
+        except BaseException as e:
             self._teardown()
-            if isinstance(e, ConfigError):
-                raise
-            raise OSError(f"cannot listen on {listen!r}: {e}") from e
+            if isinstance(e, zmq.ZMQError):
+                raise OSError(f"cannot listen on {listen!r}: {e}") from e
+            raise
         #: The first endpoint bound, as resolved.
         self.address: str = self.addresses[0]
         self._inproc = any(a.startswith("inproc://") for a in self.addresses)
@@ -178,11 +193,14 @@ class Aggregator:
             from aggregator.metrics import serve_metrics  # prometheus-client only when asked for
 
             try:
+                if type(metrics_port) is not int or not 0 <= metrics_port <= 65535:
+                    raise ConfigError(f"metrics_port must be 0-65535 (0: any free port), got {metrics_port!r}")
                 self._metrics = serve_metrics(self, metrics_port, metrics_addr)
-            except OSError:
+            except BaseException:
                 self._teardown()
                 raise
             host, port = self._metrics.server_address[:2]
+            host = f"[{host}]" if ":" in host else host
             self.metrics_address = f"http://{host}:{port}/metrics"
             logger.info("metrics on %s", self.metrics_address)
         logger.info(

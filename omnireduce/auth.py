@@ -75,6 +75,8 @@ def generate(directory: str | os.PathLike[str], name: str, overwrite: bool = Fal
     finally:
         os.umask(old)
     os.chmod(pub_path, 0o644)
+    # The umask applies to new files only: a secret written over an old file keeps its mode.
+    os.chmod(sec_path, 0o600)
     return Path(pub_path), Path(sec_path)
 
 

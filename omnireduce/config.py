@@ -233,15 +233,26 @@ def resolve_optional(value: T | None, env: str, parse: Callable[[str], T]) -> T 
     return resolve(None, env, None, parse)
 
 
+def resolve_secret(value: str | None, env: str) -> str:
+    """A secret: the explicit value, else the variable's text as it is (a secret's spaces are
+    part of it, as they are in an argument), else "" (none); an empty variable is unset."""
+    if value is not None:
+        return value
+    return os.environ.get(env, "")
+
+
 def resolve_generation(value: int | None) -> int:
     """The job's generation: explicit, else ``$OMNIREDUCE_GENERATION``, else torchelastic's restart count, else 0.
 
     Raises:
         ConfigError: a variable does not parse, or the generation is negative.
     """
-    fallback = resolve(None, TORCHELASTIC_RESTART_COUNT, 0, int)
-    generation = resolve(value, OMNIREDUCE_GENERATION, fallback, int)
-    if type(generation) is not int or generation < 0:
+    generation = resolve_optional(value, OMNIREDUCE_GENERATION, int)
+    if generation is None:
+        # Read only when nothing above it is given: a bad value of it must not win over them.
+        generation = resolve(None, TORCHELASTIC_RESTART_COUNT, 0, int)
+    generation = check_integer("generation", generation)
+    if generation < 0:
         raise ConfigError(f"generation must be a non-negative integer, got {generation!r}")
     return generation
 

@@ -24,6 +24,7 @@ __all__ = [
     "ConnectionLostError",
     "AuthError",
     "WorkerClosedError",
+    "CollectiveError",
 ]
 
 

@@ -107,7 +107,8 @@ def test_abort_fails_the_op_on_every_rank_before_and_after_their_starts() -> Non
     # Only the rank already in the op hears it now; the aborting rank needs no answer.
     (peer, code, message), = error_replies(out)
     assert peer == peer_of(0) and code == ErrorCode.REFUSED
-    assert message == "rank 1 refused the op: ConfigError: bad weight"
+    # It names the ranks the op still waited for (rank 2; the aborting rank 1 aside).
+    assert message == "rank 1 refused the op: ConfigError: bad weight (the op still waited for 1 rank(s) here: 2)"
     assert engine.active_ops == 0
     # A rank that starts the op later is told the same; a second ABORT of it changes nothing.
     late = errors_by_peer(engine.handle(peer_of(2), _start(2, 3, 100)))
@@ -118,6 +119,8 @@ def test_abort_fails_the_op_on_every_rank_before_and_after_their_starts() -> Non
     engine.handle(peer_of(0), wire(encode(Abort("j", 0, 1, ""))))
     errs = errors_by_peer(engine.handle(peer_of(1), _start(1, 3, 10, op=1)))
     assert errs[peer_of(1)].message == "rank 0 refused the op: no reason given"
+    # Begun nowhere here, it is not counted as a failed op (started = completed + failed + active).
+    assert engine.ops_failed == 1 and engine.counters.ops_started == 1
     # The next op works.
     outs, _, _ = run_allreduce([np.ones(10, np.float32)] * 3, DType.FLOAT32, op=2, engine=engine)
     np.testing.assert_array_equal(outs[0], np.full(10, 3, np.float32))

@@ -108,3 +108,22 @@ def test_the_daemon_stops_on_a_signal_with_its_summary(sig: signal.Signals) -> N
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_demo_refuses_bad_arguments_and_stops_when_a_worker_dies() -> None:
+    import multiprocessing as mp
+    import time
+
+    from worker.demo import _collect, main
+
+    with pytest.raises(SystemExit):
+        main(["--workers", "0"])  # it printed "OK" for no worker at all
+    # A worker that raised (its traceback printed) ends the wait at once, not after 300 s.
+    ctx = mp.get_context("spawn")
+    dead = ctx.Process(target=sys.exit, args=(3,))
+    dead.start()
+    dead.join()
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match=r"worker\(s\) \[0\] exited with an error"):
+        _collect(ctx.Queue(), [dead])
+    assert time.monotonic() - started < 10

@@ -135,6 +135,8 @@ def test_bad_rows_are_config_errors_on_every_rank(aggregator: Aggregator, shards
     bad: list[tuple[Any, dict[str, Any], str]] = [
         (x, {"rows": [6]}, "row 6, outside the tensor's 6 rows"),
         (x, {"rows": [-1, 2]}, "row -1, outside"),
+        # Named as given: the cast to int64 made it row -9223372036854775807.
+        (x, {"rows": np.array([2**63 + 1, 2], np.uint64)}, "row 9223372036854775809, outside"),
         (x, {"rows": np.array([1.0, 2.0])}, "integer row indices"),
         (x, {"rows": np.array([[2]])}, "1-D array"),
         (np.array(3.0, np.float32), {"rows": [0]}, "at least one dimension"),

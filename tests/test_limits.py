@@ -31,6 +31,13 @@ def test_a_start_beyond_a_limit_gets_a_limit_error(limits: Limits, start: dict, 
     assert engine.active_ops == 0 and engine.held_bytes == 0
 
 
+def test_a_tensor_shorter_than_its_huge_block_is_not_taken_for_a_huge_message() -> None:
+    # 10 elements in one block of 2**20: its messages carry 40 bytes, not 4 MiB.
+    engine = Engine(limits=Limits(max_message_bytes=1024))
+    assert engine.handle(peer_of(0), start_frames(0, 2, length=10, block_size=1 << 20, message_blocks=1)) == []
+    assert engine.active_ops == 1
+
+
 def test_ops_in_flight_jobs_and_jobs_per_connection_are_capped() -> None:
     engine = Engine(limits=Limits(max_ops_per_job=2, max_jobs=2, max_jobs_per_connection=1))
     assert engine.handle(peer_of(0), start_frames(0, 2, op=0)) == []

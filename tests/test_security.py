@@ -138,6 +138,13 @@ def test_keygen_writes_private_secret_files_and_refuses_to_overwrite(keys: dict[
         auth.load_public_key("x" * 39)
 
 
+def test_keygen_force_makes_an_old_secret_file_private_too(tmp_path: Path) -> None:
+    assert auth.main([str(tmp_path), "k"]) == 0
+    os.chmod(tmp_path / "k.key_secret", 0o644)
+    assert auth.main(["--force", str(tmp_path), "k"]) == 0
+    assert stat.S_IMODE(os.stat(tmp_path / "k.key_secret").st_mode) == 0o600
+
+
 @pytest.fixture
 def curve_agg(keys: dict[str, Path]) -> Iterator[Aggregator]:
     with Aggregator(timeout=20, curve_secret_key=keys["server_secret"], curve_client_keys=keys["allowed"]) as agg:

@@ -506,6 +506,24 @@ def test_rooted_collectives_whose_ranks_name_different_roots_fail_on_every_rank(
             g.worker.close()
 
 
+def test_gathering_works_hold_what_gloos_do(agg) -> None:
+    # Code written against gloo reads fut.value()[r] as rank r's tensor, and a barrier's as [].
+    ranks = _p2p_groups(agg, "work-values", 2)
+    try:
+        outs = [[torch.zeros(2) for _ in range(2)] for _ in range(2)]
+        works = [ranks[r].allgather([outs[r]], [torch.full((2,), float(r))]) for r in range(2)]
+        for r, w in enumerate(works):
+            w.wait()
+            value = w.get_future().value()
+            assert len(value) == 2 and all(v is o for v, o in zip(value, outs[r], strict=True))
+            torch.testing.assert_close(value[1], torch.ones(2))
+        works = [ranks[r].barrier() for r in range(2)]
+        assert [w.get_future().wait() for w in works] == [[], []]
+    finally:
+        for g in ranks:
+            g.worker.close()
+
+
 def test_a_bitwise_reduction_of_floats_is_refused_in_the_call(agg) -> None:
     # As gloo refuses it; before, every rank's bytes went round first, and torch's kernel
     # error came from the result's writing.

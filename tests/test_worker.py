@@ -124,6 +124,8 @@ def test_closed_worker_raises() -> None:
         (dict(rank=0.5, world_size=2), "rank must be an integer"),
         (dict(rank="0", world_size=2), "rank must be an integer"),
         (dict(rank=0, world_size=2.0), "world_size must be an integer"),
+        (dict(rank=0, world_size=1, job=5), "job must be a string"),  # a bare TypeError before
+        (dict(rank=0, world_size=1, token=5), "token must be a string"),
     ],
 )
 def test_bad_config(kwargs, match) -> None:
@@ -142,6 +144,29 @@ def test_config_from_torchrun_environment(monkeypatch, aggregator: Aggregator) -
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ConfigError, match="WORLD_SIZE"):
         Worker()
+
+
+def test_generation_and_token_precedence(monkeypatch) -> None:
+    from worker.settings import WorkerSettings
+
+    # torchelastic's restart count is read only when nothing above it is given: a bad one
+    # does not win over generation= or OMNIREDUCE_GENERATION.
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "abc")
+    assert WorkerSettings.resolve(0, 1, generation=3).generation == 3
+    assert WorkerSettings.resolve(0, 1, generation=np.int64(3)).generation == 3
+    monkeypatch.setenv("OMNIREDUCE_GENERATION", "2")
+    assert WorkerSettings.resolve(0, 1).generation == 2
+    monkeypatch.delenv("OMNIREDUCE_GENERATION")
+    with pytest.raises(ConfigError, match="TORCHELASTIC_RESTART_COUNT"):
+        WorkerSettings.resolve(0, 1)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "4")
+    assert WorkerSettings.resolve(0, 1).generation == 4
+    # A secret is taken as it is, from either source: its spaces are part of it.
+    monkeypatch.setenv("OMNIREDUCE_TOKEN", " s3cret ")
+    assert WorkerSettings.resolve(0, 1).token == " s3cret "
+    assert WorkerSettings.resolve(0, 1, token="other").token == "other"
+    monkeypatch.setenv("OMNIREDUCE_TOKEN", "")
+    assert WorkerSettings.resolve(0, 1).token == ""
 
 
 def test_unsupported_inputs_are_clear_errors(aggregator: Aggregator) -> None:
@@ -330,6 +355,41 @@ def test_serve_forever_returns_cleanly_when_closed_from_another_thread(caplog) -
     assert "loop died" not in caplog.text
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(listen="tcp://127.0.0.1:99999"), "must be 0-65535"),  # ZeroMQ took it modulo 65536
+    (dict(listen="tcp://127.0.0.1:-1"), "must be 0-65535"),
+    (dict(metrics_port=70000), "metrics_port must be 0-65535"),
+])
+def test_aggregator_refuses_bad_ports_and_leaves_no_thread(kwargs, match) -> None:
+    import threading
+
+    before = set(threading.enumerate())
+    with pytest.raises(ConfigError, match=match):
+        Aggregator(**{"listen": "tcp://127.0.0.1:0", **kwargs})
+    assert set(threading.enumerate()) <= before
+
+
+def test_limits_beyond_what_zeromq_takes_are_a_config_error() -> None:
+    from aggregator.limits import Limits
+
+    with pytest.raises(ConfigError, match="max_queued_messages must be at most 2147483647"):
+        Limits(max_queued_messages=3_000_000_000)
+
+
+def test_an_ipv6_endpoint_serves_workers() -> None:
+    try:
+        agg = Aggregator(listen="tcp://[::1]:0").start()
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    with agg:
+        assert agg.address.startswith("tcp://[::1]:")
+        with Worker(agg.address, rank=0, world_size=1, job="v6", timeout=10) as w:
+            np.testing.assert_array_equal(w.allreduce(np.ones(4, np.float32)), np.ones(4))
+    # An IPv4 endpoint keeps its IPv4 address (not an IPv4-mapped IPv6 one).
+    with Aggregator(listen="tcp://127.0.0.1:0") as v4:
+        assert v4.address.startswith("tcp://127.0.0.1:")
+
+
 def test_a_refusal_whose_text_utf8_cannot_encode_is_sent_escaped(aggregator: Aggregator) -> None:
     # A surrogate-escaped file name in the error once killed the communication thread.
     x = np.ones(10, np.float32)
@@ -392,7 +452,8 @@ def test_an_op_timed_out_on_one_rank_fails_at_once_on_the_others() -> None:
                 time.sleep(0.01)
             assert agg.engine.ops_failed == 1
             started = time.monotonic()
-            with pytest.raises(PeerRefusedError, match="rank 0 refused the op: OpTimeoutError"):
+            with pytest.raises(PeerRefusedError, match=r"rank 0 refused the op: OpTimeoutError.*the op still waited "
+                                                        r"for 1 rank\(s\) here: 1\)"):
                 w1.allreduce(x)
             assert time.monotonic() - started < 5
             futures = [w.allreduce_async(x * (r + 1)) for r, w in enumerate((w0, w1))]

@@ -154,6 +154,11 @@ def _strided(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
+def _gathered_value(outputs: list[list[torch.Tensor]]) -> Any:
+    """A gathering Work's value as gloo's: the one input's list of outputs, or the lists of several."""
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
 def _describe(tensors: list[torch.Tensor]) -> str:
     return ", ".join(f"{'sparse ' if t.is_sparse else ''}{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
                      for t in tensors)
@@ -418,7 +423,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                     o.copy_(from_bytes(out[r * n : (r + 1) * n], o))
 
             parts.append((src, finish))
-        return self._work(parts, output_tensors, what)
+        return self._work(parts, _gathered_value(output_tensors), what)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> Any:
@@ -454,7 +459,8 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             if out.item() != self._world:
                 raise OmniReduceError(f"barrier counted {out.item()} ranks, expected {self._world}")
 
-        return self._work([(self._submit(one, "barrier"), finish)], [one], "barrier")
+        # gloo's barrier Work holds no tensor: its future's value is [].
+        return self._work([(self._submit(one, "barrier"), finish)], [], "barrier")
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                             opts: Any = None) -> Any:
@@ -490,7 +496,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
                         o.copy_(from_bytes(out[r * n : (r + 1) * n], o))
 
             parts.append((src, finish))
-        return self._work(parts, output_tensors, what)
+        return self._work(parts, _gathered_value(output_tensors), what)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any = None) -> Any:

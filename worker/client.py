@@ -264,7 +264,8 @@ class Worker(SettingsView):
         elif is_cuda_tensor(x):
             if inplace or out is not None:
                 raise ConfigError("an in-place allreduce or out= of a CUDA tensor is not supported")
-            data = CudaOpData(x, self.block_size)
+            # A strided view is summed from a contiguous copy, as a CPU tensor and a sharded worker's are.
+            data = CudaOpData(x if x.is_contiguous() else x.contiguous(), self.block_size)
             flat, dtype, length = None, data.dtype, data.length
             restore: Any = lambda _out: data.finish()  # noqa: E731
         else:

@@ -289,6 +289,8 @@ class Connection:
             sock.setsockopt(zmq.RCVHWM, 0)
             mon = transport.watch(sock, zmq.EVENT_HANDSHAKE_SUCCEEDED)
             transport.curve_client(sock, self.settings.curve_server_key, self.settings.curve_client_key)
+            if "[" in self.address:
+                sock.setsockopt(zmq.IPV6, 1)  # an IPv6 address: "tcp://[::1]:5555"
             sock.connect(self.address)
         except zmq.ZMQError as e:
             transport.close_monitored(sock, mon)
@@ -453,7 +455,8 @@ class Connection:
             # without a word: the op's largest message says whether that may be why.
             state = pending[op].state
             layout = state.layout
-            largest = min(layout.message_blocks, max(layout.num_columns, 1)) * layout.block_size * state.dtype.itemsize
+            largest = min(min(layout.message_blocks, max(layout.num_columns, 1)) * layout.block_size,
+                          layout.length) * state.dtype.itemsize
             # The ABORT goes out after the next HELLO: an op this rank never STARTed (its START
             # lost with the connection) would otherwise wait at the aggregator for it, once the
             # rank is back, until the other ranks' timeout.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -47,6 +48,25 @@ def _worker(address: str, rank: int, world: int, elements: int, density: float, 
         out.put((rank, ok, float(np.median(times)), w.stats.last.as_dict()))
 
 
+def _collect(results: Any, procs: list[Any], timeout: float = 300.0) -> list[Any]:
+    """Every worker's row, sorted by rank; raises as soon as a worker died without one."""
+    rows = []
+    deadline = time.monotonic() + timeout
+    while len(rows) < len(procs):
+        try:
+            rows.append(results.get(timeout=0.5))
+            continue
+        except queue.Empty:
+            pass
+        # A worker that raised has printed its traceback and exited: say so now, not at the deadline.
+        dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+        if dead:
+            raise SystemExit(f"FAILED: worker(s) {dead} exited with an error (see above)")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"FAILED: no result from {len(procs) - len(rows)} worker(s) within {timeout:g} s")
+    return sorted(rows)
+
+
 def _forward(stream: Any) -> None:
     for line in stream:
         sys.stderr.write(line)
@@ -75,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--density", type=float, default=0.01, help="fraction of nonzero 256-element blocks per worker")
     p.add_argument("--ops", type=int, default=3)
     args = p.parse_args(argv)
+    if args.workers < 1 or args.elements < 1 or args.ops < 1 or not 0.0 < args.density <= 1.0:
+        p.error("--workers, --elements and --ops must be at least 1, and --density in (0, 1]")
     daemon, address = start_daemon()
     print(f"aggregator daemon pid {daemon.pid} at {address}")
     ctx = mp.get_context("spawn")
@@ -86,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for pr in procs:
             pr.start()
-        rows = sorted(results.get(timeout=300) for _ in procs)
+        rows = _collect(results, procs)
         for pr in procs:
             pr.join()
     finally:

@@ -233,6 +233,9 @@ def _row_ids(rows: Any, num_rows: int) -> np.ndarray:
     arr = np.asarray(rows)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ConfigError(f"rows= must be a 1-D array of integer row indices, got shape {arr.shape} of {arr.dtype}")
+    if arr.size and arr.dtype.kind == "u" and int(arr.max()) >= num_rows:
+        # Before the cast to int64, which would wrap ids of 2**63 and more to negative ones.
+        raise ConfigError(f"rows= holds row {int(arr.max())}, outside the tensor's {num_rows} rows")
     ids = arr.astype(np.int64, copy=False)
     if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
         ids = np.unique(ids)  # sorted already (as the DDP hook's are): no sort

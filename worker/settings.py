@@ -88,7 +88,7 @@ class WorkerSettings:
             ),
             streams=config.resolve(streams, config.OMNIREDUCE_STREAMS, config.DEFAULT_STREAMS, int),
             timeout=config.resolve(timeout, config.OMNIREDUCE_TIMEOUT, config.DEFAULT_TIMEOUT, float),
-            token=config.resolve(token, config.OMNIREDUCE_TOKEN, "", str),
+            token=config.resolve_secret(token, config.OMNIREDUCE_TOKEN),
             generation=config.resolve_generation(generation),
             heartbeat=heartbeat,
             heartbeat_timeout=heartbeat_timeout,
@@ -102,6 +102,9 @@ class WorkerSettings:
     def _validate(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is not in a world of size {self.world_size}")
+        for name in ("job", "token"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
         if not self.job or len(self.job) > 200:
             raise ConfigError(f"job id must be 1 to 200 characters, got {self.job!r}")
         if len(self.token) > MAX_NAME:

@@ -36,7 +36,7 @@ from worker.op import OpRequest, check_destination
 from worker.rows import RowsOpData, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
 from worker.stats import OpStats, Stats
-from worker.tensors import shares_memory, to_flat
+from worker.tensors import is_torch, shares_memory, to_flat
 
 __all__ = ["Worker"]
 
@@ -265,7 +265,9 @@ class Worker(SettingsView):
             if inplace or out is not None:
                 raise ConfigError("an in-place allreduce or out= of a CUDA tensor is not supported")
             # A strided view is summed from a contiguous copy, as a CPU tensor and a sharded worker's are.
-            data = CudaOpData(x if x.is_contiguous() else x.contiguous(), self.block_size)
+            if is_torch(x) and not x.is_contiguous():
+                x = x.contiguous()
+            data = CudaOpData(x, self.block_size)
             flat, dtype, length = None, data.dtype, data.length
             restore: Any = lambda _out: data.finish()  # noqa: E731
         else:

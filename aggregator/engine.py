@@ -330,10 +330,11 @@ class Engine:
         job = self._jobs.get(key[0])
         generation = op.generation if op is not None else job.generation if job is not None else 0
         self._remember_failure(key, (generation, code, message, ranks))
+        # Every failed op counts, also one refused before any of its STARTs came (a rank's
+        # ABORT, a lost rank): an alert on failures must see a job whose every op is refused.
+        self.counters.ops_failed += 1
         self.counters.error(code.name.lower())
         if op is not None:
-            # Counted as failed only once begun here (started = completed + failed + active).
-            self.counters.ops_failed += 1
             self._release(op)
         peers = {p for p in (op.peers if op else []) if p is not None}
         if extra_peer is not None:

@@ -48,7 +48,8 @@ _COUNTERS = (
     ("rounds", "Rounds completed, over all streams of all ops."),
     ("ops_started", "Ops created."),
     ("ops_completed", "Ops completed."),
-    ("ops_failed", "Ops failed (any reason)."),
+    ("ops_failed", "Ops failed (any reason), also those failed before any START came (so started - completed "
+                   "- failed may be negative)."),
     ("peers_lost", "Connections bound to a job that closed or stopped answering heartbeats."),
     ("connections_dropped", "Connections dropped for sending nothing, not even a heartbeat, for the timeout."),
     ("send_failures", "Messages that could not be sent (peer gone or not reading)."),

@@ -160,10 +160,9 @@ class Aggregator:
         try:
             self._configure(heartbeat, heartbeat_timeout, secret, allowed)
             for endpoint in endpoints:
-                if "[" in endpoint:
-                    # An IPv6 endpoint ("tcp://[::1]:5555"); only then: with it on, IPv4 ones
-                    # bind as IPv4-mapped addresses ("[::ffff:127.0.0.1]"), which IPv4 workers cannot reach.
-                    self._sock.setsockopt(zmq.IPV6, 1)
+                # On for an IPv6 endpoint ("tcp://[::1]:5555") only: with it on, an IPv4 one is
+                # bound and reported as an IPv4-mapped address ("[::ffff:127.0.0.1]").
+                self._sock.setsockopt(zmq.IPV6, int("[" in endpoint))
                 self._sock.bind(_bindable(endpoint))
                 self.addresses.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
         except BaseException as e:
@@ -181,8 +180,11 @@ class Aggregator:
         self.failure: BaseException | None = None
         self._closed = False
         self._serving = False
-        # Set once serve_forever returns (None unless it was called).
+        # Set once serve_forever returns (None unless it was called), and its thread.
         self._forever: threading.Event | None = None
+        self._forever_thread: int | None = None
+        # close() ran on serve_forever's thread: the context is termed once that loop ends.
+        self._term_later = False
         # Connection bookkeeping for the monitor (see the module docstring).
         self._conns = Connections()
         # Departing ids (see Connections), with when, until declared gone.
@@ -249,11 +251,14 @@ class Aggregator:
     def serve_forever(self) -> None:
         """Serves in the calling thread until :meth:`close` is called from another thread."""
         done = threading.Event()
+        self._forever_thread = threading.get_ident()
         self._claim(forever=done)
         try:
             self._serve()
         finally:
             done.set()
+            if self._term_later:
+                self._ctx.term()
 
     def close(self) -> None:
         """Stops serving and releases the socket; in-flight ops are abandoned.
@@ -271,10 +276,14 @@ class Aggregator:
             self._metrics.shutdown()
             self._metrics.server_close()
             self._metrics = None
+        # Called on serve_forever's own thread (a signal handler there): it cannot wait for that
+        # loop, which then closes the sockets and terms the context as it returns.
+        inside = self._forever is not None and self._forever_thread == threading.get_ident()
         if self._forever is not None:
-            # serve_forever's thread closes the sockets once its poll returns: term() before
-            # that would fail its poll (ContextTerminated) and end it as a crash.
-            self._forever.wait()
+            if not inside:
+                # serve_forever's thread closes the sockets once its poll returns: term() before
+                # that would fail its poll (ContextTerminated) and end it as a crash.
+                self._forever.wait()
         elif not self._serving or self._thread is not None:
             self._close_sockets()
         # A loop serving it (serve_sockets) closes the sockets in serve_end.
@@ -282,7 +291,10 @@ class Aggregator:
             self._auth.stop()
             self._auth = None
         if self._own_context:
-            self._ctx.term()
+            if inside and not self._forever.is_set():
+                self._term_later = True
+            else:
+                self._ctx.term()
 
     def __enter__(self) -> Aggregator:
         return self

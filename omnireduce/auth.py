@@ -68,15 +68,16 @@ def generate(directory: str | os.PathLike[str], name: str, overwrite: bool = Fal
     if not overwrite and (public.exists() or secret.exists()):
         raise ConfigError(f"{public} or {secret} exists already (pass overwrite / --force to replace)")
     root.mkdir(parents=True, exist_ok=True)
-    # The secret file must never be readable by others, not even for a moment.
+    # The secret file must never be readable by others, not even for a moment: an old file
+    # (its mode is kept by a write into it) goes first, so the secret is always a new file.
+    for path in (public, secret):
+        path.unlink(missing_ok=True)
     old = os.umask(0o077)
     try:
         pub_path, sec_path = zmq.auth.create_certificates(str(root), name)
     finally:
         os.umask(old)
     os.chmod(pub_path, 0o644)
-    # The umask applies to new files only: a secret written over an old file keeps its mode.
-    os.chmod(sec_path, 0o600)
     return Path(pub_path), Path(sec_path)
 
 

@@ -148,7 +148,7 @@ def _stub_dense_group(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         f.set_result(buf)
         return f
 
-    def agreement(state: Any, last: torch.futures.Future) -> torch.futures.Future:
+    def agreement(state: Any, last: torch.futures.Future, device: Any) -> torch.futures.Future:
         calls.append("agreement")
         return last
 
@@ -250,3 +250,25 @@ def test_the_hooks_auto_mode_refuses_a_worker_that_chooses_for_itself() -> None:
     plain = _Worker()
     plain.mode = "sparse"  # type: ignore[attr-defined]
     OmniReduceState(plain, mode="auto", dense_group=object())
+
+
+def test_a_bucket_that_held_a_tracked_table_takes_the_sparse_protocol_in_every_mode(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank may drop a tracked table on its own (its check failed): its bucket then has no
+    rows parts there, while the other ranks' still have. In dense mode too (a state switched to
+    it after tracking) that bucket must not go to the dense group on that rank alone."""
+    dense_calls = _stub_dense_group(monkeypatch)
+
+    class Dropped:
+        def ever_held(self, bucket: Any) -> bool:
+            return True
+
+        def bucket_parts(self, bucket: Any) -> None:
+            return None  # dropped here: the whole bucket as one op
+
+    for mode in ("dense", "auto"):
+        w = _Worker()
+        state = OmniReduceState(w, mode=mode, dense_group=object())
+        state.rows = Dropped()
+        omnireduce_hook(state, _Bucket(0, torch.ones(8), True)).wait()
+        assert _kinds(w.calls) == [("dense", 8)] and dense_calls == [], mode

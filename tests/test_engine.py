@@ -119,8 +119,8 @@ def test_abort_fails_the_op_on_every_rank_before_and_after_their_starts() -> Non
     engine.handle(peer_of(0), wire(encode(Abort("j", 0, 1, ""))))
     errs = errors_by_peer(engine.handle(peer_of(1), _start(1, 3, 10, op=1)))
     assert errs[peer_of(1)].message == "rank 0 refused the op: no reason given"
-    # Begun nowhere here, it is not counted as a failed op (started = completed + failed + active).
-    assert engine.ops_failed == 1 and engine.counters.ops_started == 1
+    # Begun nowhere here, it is still a failed op (an alert on failures must see it).
+    assert engine.ops_failed == 2 and engine.counters.ops_started == 1
     # The next op works.
     outs, _, _ = run_allreduce([np.ones(10, np.float32)] * 3, DType.FLOAT32, op=2, engine=engine)
     np.testing.assert_array_equal(outs[0], np.full(10, 3, np.float32))

@@ -355,6 +355,28 @@ def test_serve_forever_returns_cleanly_when_closed_from_another_thread(caplog) -
     assert "loop died" not in caplog.text
 
 
+@pytest.mark.parametrize("own_context", [True, False])
+def test_serve_forever_ends_when_a_signal_handler_on_its_thread_closes_it(own_context: bool) -> None:
+    # A daemon's SIGTERM handler runs on the serving thread: close() must not wait for that
+    # loop (it would wait for itself); the loop ends, closing the sockets and the context.
+    import signal
+
+    import zmq
+
+    ctx = None if own_context else zmq.Context()
+    agg = Aggregator(listen="tcp://127.0.0.1:0", context=ctx)
+    old = signal.signal(signal.SIGALRM, lambda *_: agg.close())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        agg.serve_forever()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert agg.failure is None and not agg.alive
+    if ctx is not None:
+        ctx.term()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(listen="tcp://127.0.0.1:99999"), "must be 0-65535"),  # ZeroMQ took it modulo 65536
     (dict(listen="tcp://127.0.0.1:-1"), "must be 0-65535"),

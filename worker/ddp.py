@@ -135,8 +135,8 @@ class OmniReduceState:
         #: The dense embedding tables whose buckets go out as their looked-up rows
         #: (:func:`worker.embedding_rows.track_embedding_rows` sets it).
         self.rows: RowTracker | None = None
-        # Whether this backward pass sent a bucket through the dense group (see _step_agreement).
-        self._dense_step = False
+        # Where this backward pass's buckets through the dense group were (see _step_agreement); None: none.
+        self._dense_step: torch.device | None = None
 
     def record(self, error: BaseException) -> None:
         with self._lock:
@@ -208,7 +208,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
     index = bucket.index()
     state._kinds[index] = sparse
     last = bucket.is_last()
-    dense_step = False
+    dense_step = None
     try:
         future = _hook(state, bucket)
     finally:
@@ -216,13 +216,14 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
             _send_held(state)
         if last:
             state._last_kinds, state._kinds = state._kinds, {}
-            dense_step, state._dense_step = state._dense_step, False
-    if dense_step:
-        future = _step_agreement(state, future)
+            dense_step, state._dense_step = state._dense_step, None
+    if dense_step is not None:
+        future = _step_agreement(state, future, dense_step)
     return future
 
 
-def _step_agreement(state: OmniReduceState, last: torch.futures.Future) -> torch.futures.Future:
+def _step_agreement(state: OmniReduceState, last: torch.futures.Future,
+                    device: torch.device) -> torch.futures.Future:
     """The last bucket's future, failed on every rank if any rank's ``state.error`` was set.
 
     A bucket of the dense group that a failed rank joins (:func:`_skip_dense`) fails only
@@ -230,9 +231,10 @@ def _step_agreement(state: OmniReduceState, last: torch.futures.Future) -> torch
     told, while that rank raises at every step. So a pass that used the dense group ends
     with a one-int MIN allreduce on it of "no error here", which every rank runs (the
     buckets' paths are agreed, so every rank sees a dense one alike); a sparse-protocol
-    bucket needs none, as a failed rank refuses it on every rank.
+    bucket needs none, as a failed rank refuses it on every rank. The flag lives where the
+    pass's dense buckets did (``device``), as the group's backend (NCCL) may need.
     """
-    ok = torch.tensor([int(state.error is None)], dtype=torch.int32)
+    ok = torch.tensor([int(state.error is None)], dtype=torch.int32, device=device)
     flag = dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=state.dense_group, async_op=True).get_future()
 
     def check(both: torch.futures.Future) -> torch.Tensor:
@@ -265,10 +267,11 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
     # A bucket that holds a tracked table takes the sparse protocol on every rank, without
     # a vote: a rank whose table was dropped (its rows are no longer given) must not enter
     # the dense group's collective while the others run the rows op.
-    chooser = None if state.rows is not None and state.rows.ever_held(bucket) else state._chooser
+    tracked = state.rows is not None and state.rows.ever_held(bucket)
+    chooser = None if tracked else state._chooser
     parts = state.rows.bucket_parts(bucket) if state.rows is not None else None
     if state.error is not None:
-        path = "sparse" if parts is not None or (state.mode == "auto" and chooser is None) else state.mode
+        path = "sparse" if parts is not None or tracked else state.mode
         if chooser is not None:
             # The other ranks may wait in the agreement: vote sparse, so that they go on to
             # omnireduce (where this rank refuses the op) instead of blocking in gloo; a verdict
@@ -276,19 +279,19 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
             path, basis = chooser.plan(key, buf.numel(), buf.element_size())
             path = _agree(state, key, "sparse" if basis is not None else path, basis)
         if path == "dense":
-            state._dense_step = True
+            state._dense_step = buf.device
             return _skip_dense(state, what, buf)
         ops = [buf] if parts is None else [part.view for part in parts]
         return _skip(state, what, ops, key=key if parts is None else None)
     if parts is not None:
         return _parts_bucket(state, buf, what, parts)
-    path = "sparse" if state.mode == "auto" and chooser is None else state.mode
+    path = "sparse" if tracked else state.mode
     if chooser is not None:
         path, basis = chooser.plan(key, buf.numel(), buf.element_size())
         path = _agree(state, key, path, basis)
     state.paths[path] += 1
     if path == "dense":
-        state._dense_step = True
+        state._dense_step = buf.device
         state.buckets += 1
         return _dense_allreduce(state, buf)
     weight = state.samples

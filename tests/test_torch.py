@@ -88,6 +88,23 @@ def test_auto_mode_sends_dense_buckets_through_gloo(agg, tmp_path, monkeypatch) 
     assert results[0]["votes"] == results[1]["votes"]
 
 
+def test_auto_mode_votes_stay_paired_after_an_op_failed_on_one_rank_only(agg, tmp_path) -> None:
+    # Step 3's op succeeds on rank 0 and fails on rank 1: only rank 0 records its density. The
+    # votes rest on call counts, so both vote at the same ops (once, at step 1: probe_every=100)
+    # and rank 0 fails at once when rank 1 refuses its next op; before, rank 0 voted alone and
+    # waited in gloo until its timeout (30 minutes by default), breaking the group.
+    results = run_procs("auto_partial_failure_case", 2, tmp_path, agg.address)
+    for rank, res in enumerate(results):
+        outcomes = [o for _, o, _ in res["steps"]]
+        assert outcomes[:3] == ["ok"] * 3, (rank, res)
+        assert all(o != "ok" for o in outcomes[4 - rank:]) and max(t for _, _, t in res["steps"]) < 10, (rank, res)
+        if rank == 0:
+            assert outcomes[3] == "ok" and "PeerRefusedError" in outcomes[4], res
+        else:
+            assert "injected" in outcomes[3], res
+    assert results[0]["votes"] == results[1]["votes"] >= 1
+
+
 def test_auto_mode_ranks_that_disagree_take_the_sparse_path(agg, tmp_path, monkeypatch) -> None:
     """A rank whose model always says sparse outvotes the others: no rank enters gloo alone."""
     from omnireduce.model import CostParams

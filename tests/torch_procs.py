@@ -1020,6 +1020,57 @@ def dense_failure_case(rank: int, world: int, address: str, mode: str) -> dict[s
         return {"errors": errors, "paths": dict(state.paths), "state_error": repr(state.error), "after": after}
 
 
+class _Bucket:
+    """A stand-in for dist.GradBucket: one bucket per step."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self._buf = buf
+
+    def buffer(self) -> torch.Tensor:
+        return self._buf
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def auto_partial_failure_case(rank: int, world: int, address: str, steps: int = 6) -> dict[str, Any]:
+    """The hook in auto mode; step 3's op succeeds on rank 0 and fails on rank 1 alone (its RESULT
+    cannot be applied there: injected). Rank 0 records the op's density, rank 1 does not; the
+    ranks must still vote at the same ops. Returns each step's outcome and seconds."""
+    import worker.auto
+    import worker.op
+    from omnireduce.errors import ProtocolError
+    from worker import Worker
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    worker.auto.model.choose_path = lambda *_a, **_k: ("sparse", 0.0, 1.0)
+    if rank == 1:
+        real = worker.op.WorkerOp.on_result
+
+        def on_result(self: Any, msg: Any, data: Any) -> Any:
+            if self.op == 3:
+                raise ProtocolError("injected: a RESULT rank 1 cannot apply")
+            return real(self, msg, data)
+
+        worker.op.WorkerOp.on_result = on_result
+    with Worker(address, rank=rank, world_size=world, job=f"auto-partial-{world}", timeout=30) as w:
+        state = OmniReduceState(w, dense_group=dist.group.WORLD, mode="auto", probe_every=100)
+        out = []
+        for step in range(steps):
+            buf = torch.zeros(1 << 14)
+            buf[: 1 << 10] = rank + 1
+            start = time.monotonic()
+            try:
+                omnireduce_hook(state, _Bucket(buf)).wait()
+                out.append((step, "ok", time.monotonic() - start))
+            except Exception as e:  # noqa: BLE001 - the test checks what each rank saw
+                out.append((step, f"{type(e).__name__}: {e}", time.monotonic() - start))
+        return {"steps": out, "votes": state.votes}
+
+
 def p2p_case(rank: int, world: int, address: str) -> dict[str, Any]:
     """Point-to-point messages on gloo (the default group) and on an omnireduce group, the
     same calls on each: {name: (gloo's received tensors, omnireduce's)}, and what a refused

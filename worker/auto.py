@@ -70,7 +70,6 @@ class PathChooser:
         self.layout = layout
         self._union: dict[Hashable, float] = {}
         self._calls: dict[Hashable, int] = {}
-        self._records: dict[Hashable, int] = {}
         # Per key: the inputs of its last prediction and the path it gave. A DDP bucket's
         # union changes only when a sparse op measures it, so most steps reuse it.
         self._plans: dict[Hashable, tuple[float, int, int, str]] = {}
@@ -85,21 +84,28 @@ class PathChooser:
 
         Returns:
             ``(path, basis)``: ``basis`` is None when the op measures (the first op of
-            ``key``, or a probe: "sparse" on every rank, whatever the model says), else
-            how many densities of ``key`` were recorded. Every worker of a job records
-            the same densities at the same ops, so the basis is the same on every rank,
-            and a rank's choice changes only when the basis does.
+            ``key``, and every ``probe_every``-th: "sparse" on every rank, whatever the
+            model says), else the number of the probe cycle the op is in. Every rank
+            counts the same calls of a key, so the basis is the same on every rank and
+            changes at the same op: the first op after each probe, where ranks that agree
+            on paths (the DDP hook) vote, once per cycle. It rests on call counts, not on
+            how many densities a rank recorded, because an op may succeed on some ranks and
+            fail on others: their counts of densities would part, and with them the votes.
+            A key with no density recorded here (its measuring op failed on this rank) is
+            "sparse".
         """
         with self._lock:
             calls = self._calls.get(key, 0)
             self._calls[key] = calls + 1
             union = self._union.get(key)
-            records = self._records.get(key, 0)
-        if union is None or calls % self.probe_every == 0:
+        if calls % self.probe_every == 0:
             return "sparse", None
+        basis = calls // self.probe_every
+        if union is None:
+            return "sparse", basis
         last = self._plans.get(key)
         if last is not None and last[:3] == (union, elements, element_size):
-            return last[3], records
+            return last[3], basis
         # Each worker's own density, for random blocks, from the union the aggregator returned.
         density = 1.0 - (1.0 - min(union, 1.0)) ** (1.0 / max(1, self.world_size))
         path, sparse_s, dense_s = model.choose_path(
@@ -107,14 +113,14 @@ class PathChooser:
             element_size=element_size, union=union, **self.layout,
         )
         logger.debug("auto %r: union %.4f, sparse %.3g s, dense %.3g s -> %s", key, union, sparse_s, dense_s, path)
-        self._plans[key] = (union, elements, element_size, path)
-        return path, records
+        with self._lock:
+            self._plans[key] = (union, elements, element_size, path)
+        return path, basis
 
     def record(self, key: Hashable, union: float) -> None:
         """The union density a sparse op of ``key`` measured."""
         with self._lock:
             self._union[key] = union
-            self._records[key] = self._records.get(key, 0) + 1
 
     def union(self, key: Hashable) -> float | None:
         """The last union density recorded for ``key``."""

@@ -61,7 +61,7 @@ class OmniReduceState:
             sparse protocol, without a vote.
         paths: how many buckets took each path ({"sparse": n, "dense": m}).
         votes: how many times the ranks voted on a bucket's path in auto mode (once
-            per new density measurement of a bucket, not per step).
+            per probe cycle of a bucket, ``probe_every`` ops, not per step).
         error: the first error a bucket hit (None while all is well); once set,
             every later bucket fails at once with the same cause, so a loop can
             check ``state.error`` after catching the error from ``backward()``. Such a
@@ -116,7 +116,7 @@ class OmniReduceState:
         self.mode = mode
         self.paths = {"sparse": 0, "dense": 0}
         self.votes = 0
-        # Per bucket key: (the measurement it rests on, the path the ranks agreed on).
+        # Per bucket key: (the probe cycle it rests on, the path the ranks agreed on).
         self._agreed: dict[Any, tuple[int, str]] = {}
         self._chooser = (
             PathChooser(worker.world_size, ring_available=True, probe_every=probe_every,
@@ -389,11 +389,12 @@ def _agree(state: OmniReduceState, key: Any, path: str, basis: int | None) -> st
 
     The dense path is a collective, so every rank must take the same one, and ranks
     with different cost files could choose differently. They vote (a one-int MIN
-    allreduce on the dense group) only when the choice rests on a new measurement:
-    every rank records the same densities at the same ops (see
-    :meth:`worker.auto.PathChooser.plan`), so every rank votes at the same buckets,
-    and between measurements the verdict stands. A synchronous collective in every
-    bucket of every step would stall backward on every rank.
+    allreduce on the dense group) once per probe cycle of a bucket, at the op after
+    its probe: the basis is the cycle's number, counted from the bucket's calls alike
+    on every rank (see :meth:`worker.auto.PathChooser.plan`), so every rank votes at
+    the same buckets, also after an op that failed on some ranks only, and within a
+    cycle the verdict stands. A synchronous collective in every bucket of every step
+    would stall backward on every rank.
     """
     if basis is None:
         return path

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from aggregator import Aggregator
-from omnireduce import ConfigError, OmniReduceError, PeerRefusedError, WorkerClosedError
+from omnireduce import ConfigError, MismatchError, OmniReduceError, PeerRefusedError, WorkerClosedError
 from tests.helpers import run_ranks, sparse
 from worker import Allreducer, ShardedWorker, Worker, connect
 from worker.sharded import shard_bounds
@@ -329,7 +329,8 @@ def test_connect_makes_the_kind_of_worker_that_fits(shards: list[Aggregator], mo
 
 def test_small_ops_take_the_shards_in_turn(shards: list[Aggregator]) -> None:
     """An op of b bytes goes to ceil(b / shard_bytes) shards, starting where the last op
-    stopped; a weighted op goes to every shard. Sums stay exact whatever the shards."""
+    stopped; a weighted op too (a rank's own weight must not change the shards it takes).
+    Sums stay exact whatever the shards."""
     import torch
 
     from worker.rows import SparseRows
@@ -362,9 +363,9 @@ def test_small_ops_take_the_shards_in_turn(shards: list[Aggregator]) -> None:
     got = run_ranks(world, rank)
     # 100, 100, 100, 100 -> one shard each, in turn; 150 -> two; 250 -> all three
     # (from shard 2); then the 100 and the rows one each, the 640-byte COO tensor two;
-    # the weighted op all three.
+    # the weighted op of 100 one, in turn.
     expected_ops = [[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0], [0, 1, 1], [1, 1, 0], [1, 1, 1],
-                    [0, 0, 1], [1, 0, 0], [0, 1, 1], [1, 1, 1]]
+                    [0, 0, 1], [1, 0, 0], [0, 1, 1], [1, 0, 0]]
     for r in range(world):
         out, ops = got[r]
         assert ops == expected_ops
@@ -377,6 +378,28 @@ def test_small_ops_take_the_shards_in_turn(shards: list[Aggregator]) -> None:
         assert torch.equal(dense, coo[0].to_dense() + coo[1].to_dense())
         w0, w1 = 1.0, 2.0
         np.testing.assert_allclose(out[-1], (w0 * inputs[0][0] + w1 * inputs[1][0]) / (w0 + w1), rtol=1e-6)
+
+
+def test_a_weight_on_one_rank_only_fails_that_op_and_the_next_ops_pair_up(shards: list[Aggregator]) -> None:
+    # A weighted op used to go to every shard while a plain one went to one shard in turn:
+    # a weight (or compute_time) given on one rank only put the shards' op numbers out of
+    # step, and later ops were summed with the wrong ones (silently) until one timed out.
+    addresses = [a.address for a in shards[:2]]
+
+    def rank(r: int) -> list[Any]:
+        out: list[Any] = []
+        with connect(addresses, rank=r, world_size=2, job="one-weight", timeout=10) as w:
+            for i, options in enumerate([{"weight": 3.0} if r == 0 else {}, {"compute_time": 0.5} if r == 0 else {},
+                                         {}, {}, {}]):
+                try:
+                    out.append(float(w.allreduce(np.full(100, (r + 1) * 10.0**i, np.float32), **options)[0]))
+                except MismatchError:
+                    out.append("mismatch")
+        return out
+
+    for got in run_ranks(2, rank):
+        # The compute time is no part of the op's agreement: the second op sums as usual.
+        assert got == ["mismatch", 30.0, 300.0, 3000.0, 30000.0], got
 
 
 def test_shard_bytes_is_checked_and_read_from_the_environment(shards: list[Aggregator],

@@ -242,6 +242,8 @@ class ShardedWorker(SettingsView):
         # The shard the next op starts at (under _submit_lock): ops of fewer shards than
         # there are take the shards in turn.
         self._turn = 0
+        # The shard whose aggregator's batch recommendation stands (see recommended_batches).
+        self._balanced = 0
         # Ops taken so far: an op's number in its stats (a shard sees only the ops sent to it).
         self._ops = 0
         # Per key (kind, dense bytes, the caller's key), the last op: its union density
@@ -363,6 +365,8 @@ class ShardedWorker(SettingsView):
                         self._advance(targets, key)
                     raise self._shard_error(k, e) from e
             self._advance(targets)
+            if kwargs.get("weight") is not None or kwargs.get("compute_time") is not None:
+                self._balanced = targets[0]
             if key is not None:
                 # Every rank sends the same keyed ops in the same order, so every rank forgets the
                 # same keys (a key forgotten sizes its next op as one with no history: density 1).
@@ -427,14 +431,14 @@ class ShardedWorker(SettingsView):
 
     @property
     def recommended_batches(self) -> list[float] | None:
-        """Shard 0's aggregator's recommended batch size per rank, or None.
+        """The recommended batch size per rank, or None: that of the aggregator of the first
+        shard of the last weighted op sent (or one reporting a compute time).
 
-        Every shard gets the same weights and (measured alike) compute times, so one
-        shard's recommendation stands for all; shard 0 takes part in every op that
-        is weighted or reports a compute time (such an op goes to every shard,
-        whatever its size).
+        A small op goes to one shard in turn, so each shard's aggregator smooths the speeds
+        of the weighted ops it took; every rank sends the same ops to the same shards, so
+        every rank reads the same recommendation.
         """
-        return self.shards[0].recommended_batches
+        return self.shards[self._balanced].recommended_batches
 
     def close(self) -> None:
         """Closes every shard's worker; pending ops fail with WorkerClosedError."""
@@ -458,9 +462,10 @@ class ShardedWorker(SettingsView):
         count would not do: the ranks must agree.
         """
         nshards = len(self.shards)
-        # A weighted op reports a compute time (given or measured) for batch balancing,
-        # whose recommendation shard 0 must see: such ops go to every shard.
-        if self.shard_bytes == 0 or kwargs.get("weight") is not None or kwargs.get("compute_time") is not None:
+        # Nothing a rank gives for itself alone (a weight, a compute time) may count here: a
+        # rank that gave one where the others did not would take other shards, and every
+        # shard's op numbers after it would pair with the wrong ops (silently wrong sums).
+        if self.shard_bytes == 0:
             return nshards, None
         nbytes = _dense_bytes(x)
         if nbytes is None:

@@ -287,11 +287,18 @@ def check_number(name: str, value: object, positive: bool = True, maximum: float
     Raises:
         ConfigError: ``value`` is not such a number.
     """
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value) or value < 0
             or (positive and value == 0) or (maximum is not None and value > maximum)):
         most = "" if maximum is None else f" of at most {maximum:g}"
         raise ConfigError(f"{name} must be a finite {'positive' if positive else 'non-negative'} number{most}, "
                           f"got {value!r}")
+
+
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float (10**400)
+        return False
 
 
 def check_integer(name: str, value: object) -> int:

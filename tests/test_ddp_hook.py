@@ -154,6 +154,7 @@ def _stub_dense_group(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     monkeypatch.setattr(ddp, "_dense_allreduce", dense)
     monkeypatch.setattr(ddp, "_step_agreement", agreement)
+    monkeypatch.setattr(ddp, "_pass_weight", lambda state: None)
     return calls
 
 

@@ -146,6 +146,7 @@ def test_bad_rows_are_config_errors_on_every_rank(aggregator: Aggregator, shards
         (x, {"rows": [2], "out": np.zeros(5, np.float32)}, "out must be"),
         (x, {"rows": [2], "inplace": True, "out": np.zeros(12, np.float32)}, "inplace and out"),
         (x, {"rows": [2], "weight": 0}, "weight must be"),
+        (x, {"rows": [2], "weight": 10**400}, "weight must be"),  # an int beyond any float: was OverflowError
     ]
 
     for res in _refused_then_summed(address, "bad", bad, x, {"rows": [2]}):

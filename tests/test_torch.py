@@ -88,6 +88,20 @@ def test_auto_mode_sends_dense_buckets_through_gloo(agg, tmp_path, monkeypatch) 
     assert results[0]["votes"] == results[1]["votes"]
 
 
+@pytest.mark.parametrize("kind", ["ok", "negative", "one"])
+def test_samples_on_the_dense_group_are_agreed_or_fail_on_every_rank(agg, tmp_path, kind: str) -> None:
+    # The dense path used to apply samples unchecked: a negative one gave a wrong gradient, and
+    # samples on one rank only aborted the process (gloo's collectives no longer paired).
+    results = run_procs("dense_samples_case", 2, tmp_path, agg.address, kind)
+    for res in results:
+        if kind == "ok":
+            # sum(n_i * g_i) / sum(n_i): rank r's gradient is 2 * (r + 1) per weight.
+            torch.testing.assert_close(res["grad"], torch.full((1, 4), (3 * 2 + 5 * 4) / 8))
+        else:
+            why = "not a positive finite number" if kind == "negative" else "samples set on 1 of the 2 ranks only"
+            assert res["grad"] is None and why in res["error"] and why in res["state_error"], res
+
+
 def test_auto_mode_votes_stay_paired_after_an_op_failed_on_one_rank_only(agg, tmp_path) -> None:
     # Step 3's op succeeds on rank 0 and fails on rank 1: only rank 0 records its density. The
     # votes rest on call counts, so both vote at the same ops (once, at step 1: probe_every=100)

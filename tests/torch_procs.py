@@ -1020,6 +1020,26 @@ def dense_failure_case(rank: int, world: int, address: str, mode: str) -> dict[s
         return {"errors": errors, "paths": dict(state.paths), "state_error": repr(state.error), "after": after}
 
 
+def dense_samples_case(rank: int, world: int, address: str, kind: str) -> dict[str, Any]:
+    """The hook in dense mode (gloo) with ``samples`` per rank ("ok": 3 and 5; "negative": 3 and -1;
+    "one": 3 and None, set on rank 0 only): the gradient each rank gets, or what it raised."""
+    from worker import Worker
+    from worker.ddp import OmniReduceState, omnireduce_hook
+
+    samples = {"ok": [3.0, 5.0], "negative": [3.0, -1.0], "one": [3.0, None]}[kind][rank]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False)
+    ddp = DDP(model)
+    with Worker(address, rank=rank, world_size=world, job=f"dense-samples-{kind}", timeout=30) as w:
+        state = OmniReduceState(w, dense_group=dist.group.WORLD, mode="dense", samples=samples)
+        ddp.register_comm_hook(state, omnireduce_hook)
+        try:
+            ddp(torch.full((2, 4), float(rank + 1))).sum().backward()
+            return {"grad": model.weight.grad.clone(), "error": None}
+        except Exception as e:  # noqa: BLE001 - the test checks the text
+            return {"grad": None, "error": f"{type(e).__name__}: {e}", "state_error": repr(state.error)}
+
+
 class _Bucket:
     """A stand-in for dist.GradBucket: one bucket per step."""
 

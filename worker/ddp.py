@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from omnireduce import config
 from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.api import Allreducer
 from worker.auto import MODES, PathChooser
@@ -86,7 +87,7 @@ class OmniReduceState:
 
     __slots__ = ("worker", "average", "samples", "dense_group", "mode", "paths", "error", "buckets", "_chooser",
                  "_lock", "coalesce_sparse", "_held", "votes", "_agreed", "_kinds", "_last_kinds", "rows",
-                 "_dense_step")
+                 "_dense_step", "_weight_agreed", "_weight")
 
     def __init__(
         self,
@@ -137,6 +138,9 @@ class OmniReduceState:
         self.rows: RowTracker | None = None
         # Where this backward pass's buckets through the dense group were (see _step_agreement); None: none.
         self._dense_step: torch.device | None = None
+        # This pass's factor on its dense-group buckets, once agreed (see _pass_weight).
+        self._weight_agreed = False
+        self._weight: float | None = None
 
     def record(self, error: BaseException) -> None:
         with self._lock:
@@ -217,6 +221,7 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         if last:
             state._last_kinds, state._kinds = state._kinds, {}
             dense_step, state._dense_step = state._dense_step, None
+            state._weight_agreed = False
     if dense_step is not None:
         future = _step_agreement(state, future, dense_step)
     return future
@@ -293,6 +298,9 @@ def _hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.futures.Futu
     if path == "dense":
         state._dense_step = buf.device
         state.buckets += 1
+        _pass_weight(state)
+        if state.error is not None:  # the ranks' samples do not agree: failed on every rank alike
+            return _skip_dense(state, what, buf)
         return _dense_allreduce(state, buf)
     weight = state.samples
     if weight is None and state.average and state.worker.world_size > 1:
@@ -558,15 +566,48 @@ def joined_size(items: list[tuple[torch.Tensor, Any]]) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8, device="meta")
 
 
+def _pass_weight(state: OmniReduceState) -> float | None:
+    """This rank's factor on the pass's dense-group buckets, ``samples / sum(samples)``, or None
+    (no rank set samples); agreed once per backward pass, at its first such bucket.
+
+    Every rank runs the agreement (a three-float sum on the dense group), whatever its own
+    ``samples``: samples set on some ranks only, or not a positive finite number on one, fail
+    the pass on every rank alike (``state.error``) instead of a gloo mismatch that aborts the
+    process, or a silently wrong gradient.
+    """
+    if state._weight_agreed:
+        return state._weight
+    mine = state.samples
+    try:
+        if mine is not None:
+            config.check_number("samples", mine)
+        bad = False
+    except ConfigError:
+        bad = True
+    flags = torch.tensor([0.0 if mine is None or bad else float(mine), float(mine is not None), float(bad)],
+                         dtype=torch.float64)
+    dist.all_reduce(flags, group=state.dense_group)
+    total, given, refused = flags.tolist()
+    world = dist.get_world_size(state.dense_group)
+    state._weight_agreed, state._weight = True, None
+    if refused or 0 < given < world:
+        why = (f"{int(refused)} rank(s) set samples that are not a positive finite number" if refused
+               else f"samples set on {int(given)} of the {world} ranks only")
+        state.record(ConfigError(f"omnireduce DDP hook: {why} (this rank's: {mine!r}); the dense group's "
+                                 "buckets are not summed"))
+    elif given:
+        state._weight = float(mine) / total
+    return state._weight
+
+
 def _dense_allreduce(state: OmniReduceState, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     """The bucket through the dense group: DDP's own allreduce, weighted when samples are set."""
     group = state.dense_group
     world = dist.get_world_size(group)
-    if state.samples is not None:
-        # sum(n_i * g_i) / sum(n_i): the total of the weights first (a one-element sum).
-        total = torch.tensor([float(state.samples)], dtype=torch.float64)
-        dist.all_reduce(total, group=group)
-        buf.mul_(float(state.samples) / float(total.item()))
+    weight = _pass_weight(state)
+    if weight is not None:
+        # sum(n_i * g_i) / sum(n_i)
+        buf.mul_(weight)
     elif state.average and world > 1:
         buf.div_(world)
 

@@ -741,12 +741,21 @@ class Engine:
             return None
         if not (np.isfinite(op.compute).all() and (op.compute > 0).all()):
             return None
-        speed = op.weights / op.compute
-        if j.speeds is None or len(j.speeds) != op.world_size:
-            j.speeds = speed
-        else:
-            j.speeds = self.balance_smoothing * j.speeds + (1.0 - self.balance_smoothing) * speed
-        return (j.speeds / j.speeds.sum() * op.weights.sum()).tolist()
+        with np.errstate(over="ignore", invalid="ignore"):
+            speed = op.weights / op.compute
+            if j.speeds is None or len(j.speeds) != op.world_size:
+                speeds = speed
+            else:
+                speeds = self.balance_smoothing * j.speeds + (1.0 - self.balance_smoothing) * speed
+            batches = speeds / speeds.sum() * op.weights.sum()
+        if not np.isfinite(batches).all():
+            # Weights near float64's end (1e308) overflow the speeds or their totals: no
+            # recommendation (a RESULT whose batches are not finite is refused by every worker,
+            # which would then time the op out), and the speeds start afresh at the next op.
+            j.speeds = None
+            return None
+        j.speeds = speeds
+        return batches.tolist()
 
     def _advance(
         self, op: OpState, s: Stream, payload: np.ndarray, batches: list[float] | None = None

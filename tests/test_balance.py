@@ -69,6 +69,19 @@ def test_recommended_batches_follow_speeds() -> None:
     assert all(op.batches is None for op in ops)
 
 
+def test_speeds_that_overflow_give_no_recommendation_and_start_afresh() -> None:
+    # Weights near float64's end made the batches inf/NaN: every worker refused that RESULT as
+    # undecodable (the op timed out), and the job's speeds stayed so for every later op.
+    engine = Engine(balance_smoothing=0.5)
+    x = [np.zeros(10, np.float32)] * 2
+    _, ops, _ = run_allreduce(x, DType.FLOAT32, block_size=4, engine=engine, weights=[1e308, 1e308],
+                              compute=[1.0, 1.0])
+    assert all(op.batches is None for op in ops)
+    _, ops, _ = run_allreduce(x, DType.FLOAT32, block_size=4, engine=engine, op=1, weights=[3.0, 3.0],
+                              compute=[0.1, 0.1])
+    assert all(op.batches == pytest.approx([3.0, 3.0]) for op in ops)
+
+
 def test_recommendations_are_smoothed_towards_new_speeds() -> None:
     engine = Engine(balance_smoothing=0.5)
     x = [np.zeros(10, np.float32)] * 2

@@ -433,6 +433,24 @@ def test_a_refusal_whose_text_utf8_cannot_encode_is_sent_escaped(aggregator: Agg
     np.testing.assert_array_equal(y1, 2 * x)
 
 
+def test_a_refusal_made_before_the_first_handshake_reaches_the_others_when_closing_at_once() -> None:
+    # Rank 0 refuses its first op and closes right away, before its connection is up: the
+    # ABORT waited in the outbox and was dropped with the socket, so rank 1 waited for its timeout.
+    with Aggregator(listen="tcp://127.0.0.1:0", timeout=30).start() as agg:
+        with Worker(agg.address, rank=1, world_size=2, job="refuse-early", timeout=10) as w1:
+            deadline = time.monotonic() + 5
+            while (agg.engine.job_info("refuse-early") or {}).get("ranks") != [1] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            w0 = Worker(agg.address, rank=0, world_size=2, job="refuse-early", timeout=10)
+            with pytest.raises(ConfigError):
+                w0.allreduce(np.ones(8, np.float32), weight=-1.0)
+            w0.close()
+            started = time.monotonic()
+            with pytest.raises(PeerRefusedError, match="rank 0 refused the op: ConfigError: weight must be"):
+                w1.allreduce(np.ones(8, np.float32))
+            assert time.monotonic() - started < 5
+
+
 def test_stats_sum_every_counter() -> None:
     """Every integer counter of OpStats adds up in merge_parallel and Stats.add (a field added
     to OpStats and left out of the sums would read 0 in the totals)."""

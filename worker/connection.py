@@ -89,6 +89,9 @@ _ERRORS: dict[int, type[OpError]] = {
 _REFUSALS = frozenset({ErrorCode.AUTH, ErrorCode.LIMIT, ErrorCode.MISMATCH, ErrorCode.STALE})
 # How long closing waits for BYE to leave, so the aggregator does not count the rank as lost.
 _BYE_LINGER_MS = 500
+# How long closing waits for a connection to come up to deliver the ABORTs still queued (a
+# refusal made before the first handshake): without them the other ranks wait for their timeout.
+_ABORT_FLUSH_S = 2.0
 # Seconds between tries to open a new socket when opening one failed.
 _RENEW_RETRY_S = 1.0
 
@@ -373,7 +376,12 @@ class Connection:
                     f"worker rank {self.rank} of job {self.job!r} closed with ops {sorted(self._pending)} pending")
             for p in self._pending.values():
                 fail_future(p.request.future, error)
+            failed = set(self._pending)
             self._pending.clear()
+            # What is left queued once the failed ops' messages go: HELLO and ABORTs of ops refused here.
+            self._outbox = collections.deque(item for item in self._outbox if item[0] not in failed)
+            if bye and any(op is not None for op, _ in self._outbox):
+                self._deliver_aborts()
             if bye and self._connected:
                 self._say_bye()
             transport.close_monitored(self._sock, self._mon)
@@ -382,6 +390,25 @@ class Connection:
             # where the loop's last drain (CommLoop._fail_queued) fails it.
             with self._lock:
                 self._finished.set()
+
+    def _deliver_aborts(self) -> None:
+        """Waits (at most ``_ABORT_FLUSH_S``, or the op timeout) for the connection, and sends
+        what is queued: the ABORTs of ops this rank refused before its first handshake, which
+        the other ranks would otherwise wait for until their timeout."""
+        deadline = time.monotonic() + min(_ABORT_FLUSH_S, self.timeout)
+        poller = zmq.Poller()
+        poller.register(self._mon, zmq.POLLIN)
+        while self._outbox and not self._renew and time.monotonic() < deadline:
+            if self._connected:
+                self._flush()
+                if self._outbox:
+                    time.sleep(0.005)  # a full socket: it drains
+                continue
+            if poller.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                self._on_monitor()
+        if self._outbox:
+            logger.warning("worker rank %d of job %r: closed before %d queued message(s) (refusals) reached the "
+                           "aggregator at %s", self.rank, self.job, len(self._outbox), self.address)
 
     def _say_bye(self) -> None:
         try:

@@ -502,3 +502,17 @@ def test_an_op_timed_out_on_one_rank_fails_at_once_on_the_others() -> None:
         finally:
             w0.close()
             w1.close()
+
+
+def test_a_part_sent_the_dense_way_counts_every_block_in_the_union() -> None:
+    # A sharded op in auto mode: rank 0's first part went dense (its host's cost file), rank 1's
+    # sparse; rank 1 measures that part's union as every block (rank 0 sent them all). Both must
+    # record the same union density, or they size the key's next op apart (a MismatchError).
+    from worker.stats import OpStats, merge_parallel
+
+    rank0 = merge_parallel([OpStats(blocks=100, union_blocks=0, path="dense"),
+                            OpStats(blocks=100, union_blocks=30, path="sparse")], 0.1)
+    rank1 = merge_parallel([OpStats(blocks=100, union_blocks=100, path="sparse"),
+                            OpStats(blocks=100, union_blocks=30, path="sparse")], 0.1)
+    assert rank0.union_density == rank1.union_density == 0.65
+    assert (rank0.path, rank1.path) == ("dense", "sparse")

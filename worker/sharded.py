@@ -136,12 +136,14 @@ class _Gather:
             self._end(error=self.owner._shard_error(k, error))
             return
         merged = self.owner._record(self.stats, time.monotonic() - self.started, self.op)
-        # A dense-path op sent every block: its union is unknown, the whole tensor bounds it.
-        # Recorded before the result is converted: a conversion that fails on this rank alone
+        # A part that went the dense way counts every block in its union (merge_parallel), as
+        # the ranks whose part went the sparse way measure it: each rank's parts may take
+        # either path (auto mode, each host's own cost file), and all must size the key's next
+        # op alike. Recorded before the result is converted: a conversion that fails on this rank alone
         # must not make this rank size the key's next op apart from the others (nor the DDP
         # hook's auto mode miss the density that the other ranks record: the stats go on the
         # future, as a plain Worker's do, whether or not the conversion then fails).
-        self.density = merged.union_density if merged.path == "sparse" else 1.0
+        self.density = merged.union_density
         assert self.future is not None  # ended only below and on a failure, once
         self.future.op_stats = merged  # type: ignore[attr-defined]
         try:

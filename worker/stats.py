@@ -78,9 +78,12 @@ def merge_parallel(parts: list[OpStats], seconds: float) -> OpStats:
     merged = OpStats(seconds=seconds)
     for s in parts:
         merged.op = s.op
+        _add_counters(merged, s)
         if s.path == "dense":
             merged.path = "dense"
-        _add_counters(merged, s)
+            # It sent every block: each is in the part's union, on every rank (a rank whose part
+            # went the sparse way measures that too), so the union density agrees across ranks.
+            merged.union_blocks += s.blocks - s.union_blocks
         merged.rounds = max(merged.rounds, s.rounds)
     return merged
 

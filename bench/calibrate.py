@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from omnireduce import config
 from omnireduce.model import DEFAULT_COSTS_PATH, CostParams
 
 logger = logging.getLogger(__name__)
@@ -190,8 +191,10 @@ def _worker_main() -> None:
             rng = np.random.default_rng([rank, nb])
             keep = np.repeat(rng.random(nb) < case["density"], b)[: case["length"]]
             x = np.where(keep, x, np.float32(0))
+        # The sparse path always (the variable OMNIREDUCE_MODE must not make it time another).
         with Worker(address, rank=rank, world_size=world, job=case["job"], block_size=case["block_size"],
-                    message_blocks=case["message_blocks"], streams=case["streams"], timeout=30.0) as w:
+                    message_blocks=case["message_blocks"], streams=case["streams"], timeout=30.0,
+                    mode="sparse") as w:
             ts = []
             for i in range(case["repeats"] + 1):
                 t0 = time.perf_counter()
@@ -282,7 +285,7 @@ def calibrate(quick: bool = False, world: int = 2, timeout: float = 50.0) -> Cos
     slope = float(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0]) if len(pts) > 1 else pts[0][1] / pts[0][0]
     per_message = max(slope / (2 * world), 1e-7)
     params = CostParams(
-        alpha=alpha, beta=beta, per_message_s=per_message, cores=os.cpu_count() or 1, full_duplex=False,
+        alpha=alpha, beta=beta, per_message_s=per_message, cores=_usable_cores(), full_duplex=False,
         meta={"host": os.uname().nodename, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_before": load,
               "load_after": os.getloadavg(), "seconds": round(time.monotonic() - t_start, 2), "quick": quick,
               "ping_pong": {"sizes": sizes, "one_way_s": one_way}, "protocol_points": pts},
@@ -294,22 +297,37 @@ def calibrate(quick: bool = False, world: int = 2, timeout: float = 50.0) -> Cos
     return params
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (a cpuset or taskset counts), as the model's contention term needs."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="omnireduce-calibrate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=DEFAULT_COSTS_PATH, help=f"JSON file to write (default {DEFAULT_COSTS_PATH})")
+    ap.add_argument("--out", default=None, help=f"JSON file to write (default $OMNIREDUCE_COSTS, where auto mode "
+                    f"reads it first, else {DEFAULT_COSTS_PATH})")
     ap.add_argument("--quick", action="store_true", help="a few seconds: smaller sizes, fewer repeats")
     ap.add_argument("--workers", type=int, default=2, help="worker processes of the protocol measurement")
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
+    if args.workers < 1:
+        ap.error("--workers must be at least 1")
+    out = args.out or os.environ.get(config.OMNIREDUCE_COSTS) or DEFAULT_COSTS_PATH
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     params = calibrate(quick=args.quick, world=args.workers)
-    path = params.save(args.out)
+    # Shown before the file is written: a file that cannot be written loses no measurement.
     show = {k: v for k, v in json.loads(params.to_json()).items() if k != "meta"}
     for k, v in show.items():
         print(f"{k:>22} = {v:.4g}" if isinstance(v, float) else f"{k:>22} = {v}")
-    print(f"load average {params.meta['load_before']} -> {params.meta['load_after']}, "
-          f"{params.meta['seconds']} s; wrote {path}")
+    print(f"load average {params.meta['load_before']} -> {params.meta['load_after']}, {params.meta['seconds']} s")
+    try:
+        path = params.save(out)
+    except OSError as e:
+        print(f"cannot write {out}: {e}; the parameters are above (--out names another file)", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
     return 0
 
 

@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
     path = args.costs or os.environ.get(config.OMNIREDUCE_COSTS) or model.DEFAULT_COSTS_PATH
     if args.load:
+        if not os.path.exists(path):
+            # load_costs would fall back on the defaults quietly: not what --load asks for.
+            raise SystemExit(f"--load: no cost parameters at {path} (run omnireduce-calibrate, or name --costs)")
         params = load_costs(path)
     else:
         params = calibrate(quick=args.quick_calibration)

@@ -14,10 +14,12 @@ scatters them into a fresh result.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -95,17 +97,49 @@ class CostParams:
 
     @classmethod
     def from_json(cls, text: str) -> CostParams:
-        """Parses :meth:`to_json`'s output; unknown keys are ignored (newer files), missing ones default."""
+        """Parses :meth:`to_json`'s output; unknown keys are ignored (newer files), missing ones default.
+
+        Raises:
+            ValueError: not a JSON object, or a value of the wrong type (a string, a bool for a
+                number, NaN, a negative time, ``cores`` below 1): every rank's choices would
+                otherwise fail or go one way, far from where the file was read.
+        """
         raw = json.loads(text)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        if not isinstance(raw, dict):
+            raise ValueError(f"expected a JSON object of parameters, got {type(raw).__name__}")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in raw:
+                continue
+            v = raw[f.name]
+            if f.name == "meta":
+                ok = isinstance(v, dict)
+            elif f.name == "full_duplex":
+                ok = isinstance(v, bool)
+            elif f.name == "cores":
+                ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            else:
+                ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0)
+            if not ok:
+                raise ValueError(f"parameter {f.name} has an invalid value {v!r}")
+            values[f.name] = v
+        return cls(**values)
 
     def save(self, path: str = DEFAULT_COSTS_PATH) -> str:
-        """Writes the parameters as JSON (atomically); returns the path."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            f.write(self.to_json())
-        os.replace(path + ".tmp", path)
+        """Writes the parameters as JSON (atomically: a file of its own, renamed over the old
+        one, so two writers at once each leave a whole file); returns the path."""
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".costs-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return path
 
     @classmethod

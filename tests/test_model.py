@@ -175,9 +175,13 @@ def test_add_predictions_and_table() -> None:
     assert math.isnan(median_model_error(rows, "nothing"))
 
 
-def test_calibrate_quick_writes_valid_json(tmp_path, capsys) -> None:
+def test_calibrate_quick_writes_valid_json(tmp_path, capsys, monkeypatch) -> None:
+    # Without --out, where auto mode reads first: $OMNIREDUCE_COSTS (it wrote ~/.cache's file).
+    # OMNIREDUCE_MODE must not make it time another path than the sparse one.
     out = tmp_path / "costs.json"
-    assert calibrate_main(["--quick", "--out", str(out)]) == 0
+    monkeypatch.setenv("OMNIREDUCE_COSTS", str(out))
+    monkeypatch.setenv("OMNIREDUCE_MODE", "dense")
+    assert calibrate_main(["--quick"]) == 0
     p = CostParams.load(str(out))
     for name in ("alpha", "beta", "mask_s_per_byte", "mask_dense_s_per_byte", "copy_s_per_byte",
                  "zero_s_per_byte", "add_s_per_byte", "per_message_s", "page_fault_s"):
@@ -198,3 +202,54 @@ def test_in_place_results_and_the_mask_kernels_dense_probe() -> None:
     for d, per_byte in [(0.5, p.mask_s_per_byte), (0.9, p.mask_dense_s_per_byte)]:
         assert model.sparse_estimate(n, 2, p, d).mask == pytest.approx(4 * n * per_byte)
     assert model.sparse_estimate(n, 2, p, [0.9, 0.1]).mask == pytest.approx(4 * n * p.mask_s_per_byte)
+
+
+@pytest.mark.parametrize("text, why", [
+    ("[]", "JSON object"),
+    ("null", "JSON object"),
+    ('{"per_message_s": "4e-5"}', "per_message_s"),
+    ('{"alpha": NaN}', "alpha"),
+    ('{"beta": -1}', "beta"),
+    ('{"full_duplex": "no"}', "full_duplex"),
+    ('{"cores": 0}', "cores"),
+])
+def test_a_cost_file_of_the_wrong_shape_is_refused_and_auto_mode_takes_the_defaults(tmp_path, text: str,
+                                                                                      why: str) -> None:
+    # A list made connect() raise AttributeError; a string value failed every auto op of every
+    # rank with a TypeError naming no file; NaN sent every op dense; "no" read as true.
+    from worker.auto import load_costs
+
+    with pytest.raises(ValueError, match=why):
+        model.CostParams.from_json(text)
+    path = tmp_path / "costs.json"
+    path.write_text(text)
+    assert load_costs(str(path)) == model.CostParams()
+
+
+def test_cost_files_written_at_once_are_each_whole(tmp_path) -> None:
+    import threading
+
+    path = str(tmp_path / "costs.json")
+    errors: list[BaseException] = []
+
+    def write(n: int) -> None:
+        try:
+            for i in range(50):
+                model.CostParams(alpha=n + i * 1e-6).save(path)
+        except BaseException as e:  # noqa: BLE001 - the test checks there was none
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    reads = 0
+    while any(t.is_alive() for t in threads):
+        try:
+            model.CostParams.load(path)  # whole, or not there yet
+            reads += 1
+        except FileNotFoundError:
+            pass
+    for t in threads:
+        t.join()
+    assert errors == [] and model.CostParams.load(path).alpha >= 0
+    assert [p.name for p in tmp_path.iterdir()] == ["costs.json"]  # no temporary file left

@@ -50,7 +50,8 @@ class PathChooser:
             dense transfer through the aggregator).
         costs: the model's machine parameters (default :func:`load_costs`).
         probe_every: every this many ops of a key take the sparse path to re-measure.
-        layout: ``block_size``, ``message_blocks``, ``streams``, ``shards`` of the sparse path.
+        layout: ``block_size``, ``message_blocks``, ``streams``, ``shards`` of the sparse path, and
+            ``inplace`` (the ops sum in place: no result to zero).
     """
 
     def __init__(

@@ -119,9 +119,11 @@ class OmniReduceState:
         self.votes = 0
         # Per bucket key: (the probe cycle it rests on, the path the ranks agreed on).
         self._agreed: dict[Any, tuple[int, str]] = {}
+        # The model is asked for in-place ops: the hook sums a CPU bucket in place (no result to zero).
         self._chooser = (
             PathChooser(worker.world_size, ring_available=True, probe_every=probe_every,
-                        block_size=worker.block_size, message_blocks=worker.message_blocks, streams=worker.streams)
+                        block_size=worker.block_size, message_blocks=worker.message_blocks, streams=worker.streams,
+                        inplace=True)
             if mode == "auto" else None
         )
         self.error: BaseException | None = None

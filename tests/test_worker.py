@@ -460,9 +460,10 @@ def test_stats_sum_every_counter() -> None:
 
     counters = [f.name for f in dataclasses.fields(OpStats) if f.type == "int" and f.name not in ("op", "rounds")]
     a = OpStats(op=7, rounds=2, seconds=0.5, **{n: i + 1 for i, n in enumerate(counters)})
-    b = OpStats(op=7, rounds=3, seconds=0.25, path="dense", **{n: 10 * (i + 1) for i, n in enumerate(counters)})
+    # Both sparse: a dense part counts its blocks in the union (its own test below).
+    b = OpStats(op=7, rounds=3, seconds=0.25, **{n: 10 * (i + 1) for i, n in enumerate(counters)})
     merged = merge_parallel([a, b], seconds=0.6)
-    assert merged.op == 7 and merged.rounds == 3 and merged.seconds == 0.6 and merged.path == "dense"
+    assert merged.op == 7 and merged.rounds == 3 and merged.seconds == 0.6 and merged.path == "sparse"
     for i, n in enumerate(counters):
         assert getattr(merged, n) == 11 * (i + 1), n
     stats = Stats()

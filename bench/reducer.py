@@ -117,7 +117,7 @@ class _Steps:
             for p in self.model.parameters():
                 # A sparse gradient: gloo's sparse allreduce (its sum is coalesced).
                 dist.all_reduce(p.grad)
-                p.grad = p.grad / self.world
+                p.grad.div_(self.world)  # in place, as the reducer divides (no new tensor in the timed step)
         return time.perf_counter() - t0, time.process_time() - c0
 
     def grads(self, ids: Any) -> list[Any]:

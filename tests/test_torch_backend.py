@@ -179,6 +179,19 @@ def test_import_torch_survives_a_broken_backend(tmp_path) -> None:
     assert "could not register" in proc.stderr
 
 
+def test_import_torch_beside_a_users_worker_module_neither_fails_nor_runs_it(tmp_path) -> None:
+    # torch imports an entry point's module outside any handler of ours: with the entry point in
+    # `worker`, a user's own worker.py in the current directory ran at `import torch`, and
+    # torch then failed ("Failed to load the backend extension: omnireduce").
+    (tmp_path / "worker.py").write_text('print("the user\'s worker ran")\n')
+    script = "import torch, torch.distributed as dist; print('imported', 'OMNIREDUCE' in dist.Backend._plugins)"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "imported False", proc.stdout
+    assert "is not registered: 'worker' here is" in proc.stderr
+
+
 def test_collectives_equal_gloo_for_the_dtypes_and_shapes_torch_sends(agg, tmp_path) -> None:
     world = 3
     results = run_procs("collectives_case", world, tmp_path, agg.address)

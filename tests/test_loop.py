@@ -378,3 +378,21 @@ def test_workers_closed_in_an_ops_callback_leave_no_context_or_thread_behind() -
         while threads() > before and time.monotonic() < deadline:
             time.sleep(0.05)
         assert threads() <= before
+
+
+def test_loops_still_running_at_exit_are_stopped() -> None:
+    # A script that neither closed its worker nor destroyed its process group: the daemon
+    # communication thread ran on into the interpreter's teardown, where freeing a torch
+    # tensor aborted the process (SIGABRT) about one exit in five.
+    import worker.loop as loop_module
+    from aggregator import Aggregator
+    from worker import Worker
+
+    with Aggregator(listen="tcp://127.0.0.1:0").start() as agg:
+        w = Worker(agg.address, rank=0, world_size=1, job="exit", timeout=10)
+        w.allreduce(np.ones(4, np.float32))
+        loop = w._connection._loop
+        assert loop in loop_module._LOOPS and loop.alive
+        loop_module._close_at_exit()  # what atexit runs
+        assert not loop.alive
+        w.close()

@@ -163,6 +163,45 @@ def test_init_process_group_needs_no_project_import(agg, tmp_path) -> None:
     assert proc.stdout.split("\n")[0] == "omnireduce [0.0, 1.0, 2.0, 3.0] OmniReduceProcessGroup", proc.stdout
 
 
+@pytest.mark.parametrize("job", [None, "remade"])
+def test_a_default_group_made_again_pairs_its_ranks_ops(agg, tmp_path, job: str | None) -> None:
+    # destroy_process_group then init_process_group over the same store: without
+    # OMNIREDUCE_JOB rank 1 read the last making's job id from the store (every op timed out);
+    # with it, the new group met the old one's failed ops (rank 0 left two pending).
+    script = textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        from datetime import timedelta
+        rank = int(os.environ["RANK"])
+        groups = []  # kept: the store (and its counts) outlives each making, as torch may keep it
+        for making in range(3):
+            dist.init_process_group("omnireduce", init_method="file://" + os.environ["STORE"], rank=rank,
+                                    world_size=2, timeout=timedelta(seconds=10))
+            groups.append(dist.group.WORLD)
+            if making == 0 and rank == 0:
+                pending = dist.all_reduce(torch.ones(2), async_op=True)  # never met by rank 1
+            x = torch.ones(2) * (rank + 1) if making else torch.zeros(0)
+            if making:
+                dist.all_reduce(x)
+            print(making, dist.group.WORLD.worker.job, x.tolist(), flush=True)
+            dist.destroy_process_group()
+    """)
+    env = {**os.environ, "OMNIREDUCE_ADDRESS": agg.address, "STORE": str(tmp_path / "store")}
+    env.pop("OMNIREDUCE_JOB", None)
+    if job:
+        env["OMNIREDUCE_JOB"] = job
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        lines = [line.split(" ", 2) for line in out.strip().splitlines()]
+        assert [(n, x) for n, _, x in lines] == [("0", "[]"), ("1", "[3.0, 3.0]"), ("2", "[3.0, 3.0]")], out
+        jobs = [j for _, j, _ in lines]
+        assert len(set(jobs)) == 3, jobs  # each making a job of its own
+        if job:
+            assert jobs == ["remade", "remade~1", "remade~2"], jobs
+
+
 def test_import_torch_survives_a_broken_backend(tmp_path) -> None:
     # The entry point must never make `import torch` fail, whatever goes wrong in it.
     script = textwrap.dedent("""

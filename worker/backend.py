@@ -73,6 +73,8 @@ __all__ = ["BACKEND_NAME", "CollectiveError", "OmniReduceProcessGroup", "OmniRed
            "register"]
 
 _JOB_KEY = "omnireduce/job"
+# How many times a rank made a group over its store (one count per rank: the key and the rank).
+_MAKINGS_KEY = "omnireduce/makings"
 _FLOAT = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # Summed exactly (in int64 by the aggregator), wrapping around as the type's own sum does.
 _INT = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
@@ -869,14 +871,26 @@ def _job_of(store: dist.Store, rank: int, group_id: str | None) -> str:
     name and the group's, so that every group is a job of its own. Without it
     rank 0 makes a unique id and shares it through the group's store (each group
     has its own store prefix).
+
+    A group made again over the same store (``destroy_process_group`` then
+    ``init_process_group``) is counted there (each rank its own makings): its
+    n-th making after the first is a job of its own (``~n`` added to the name), and
+    rank 0's id of it another key. Else the ranks could read the last making's id
+    from the store, or meet the last making's failed ops at the aggregator.
     """
+    # Each rank counts its own makings: a rank may make the group again before a slower one
+    # made it the first time (no barrier between), so one count shared by all would go wrong.
+    making = store.add(f"{_MAKINGS_KEY}/{rank}", 1) - 1
     job = config.resolve(None, config.OMNIREDUCE_JOB, "", str)
     if job:
         # The default group is the one made while torch has none yet.
-        return job if not dist.is_initialized() or not group_id else f"{job}.{group_id}"[:200]
+        name = job if not dist.is_initialized() or not group_id else f"{job}.{group_id}"
+        suffix = f"~{making}" if making else ""
+        return name[: 200 - len(suffix)] + suffix
+    key = f"{_JOB_KEY}/{making}"
     if rank == 0:
-        store.set(_JOB_KEY, f"torch-{uuid.uuid4().hex[:12]}")
-    return store.get(_JOB_KEY).decode()
+        store.set(key, f"torch-{uuid.uuid4().hex[:12]}")
+    return store.get(key).decode()
 
 
 def _timeout_of(opts: Any) -> float | None:

@@ -20,11 +20,13 @@ cause, and every later submission is refused.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any, Protocol
@@ -42,6 +44,25 @@ logger = logging.getLogger(__name__)
 __all__ = ["CommLoop", "Service", "fail_future"]
 
 _wake_ids = itertools.count()
+# The loops alive, closed at interpreter exit (see _close_at_exit).
+_LOOPS: weakref.WeakSet[CommLoop] = weakref.WeakSet()
+# How long exit waits for one loop's thread to finish its connections (BYE, queued ABORTs).
+_EXIT_JOIN_S = 5.0
+
+
+def _close_at_exit() -> None:
+    """Stops every loop still running when the interpreter exits (a script that never closed
+    its worker or destroyed its process group): its daemon thread would otherwise run on into
+    the interpreter's teardown, where freeing a torch tensor there aborted the process
+    (SIGABRT, "terminate called without an active exception")."""
+    for loop in list(_LOOPS):
+        try:
+            loop._stop_at_exit()
+        except Exception:  # noqa: BLE001 - exit goes on for the other loops
+            logger.debug("a worker's communication thread did not stop at exit", exc_info=True)
+
+
+atexit.register(_close_at_exit)
 # Queue items: (connection, what): what is _ATTACH, an OpRequest or AbortRequest, or None (close the
 # connection); (service, sockets) with _SERVE; a bare None stops the loop.
 _ATTACH = object()
@@ -99,6 +120,7 @@ class CommLoop:
         self._closed_here = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _LOOPS.add(self)
 
     @property
     def on_thread(self) -> bool:
@@ -189,6 +211,18 @@ class CommLoop:
             return  # the thread stops, and closes the wake-up socket, after the callback that closed it
         self._thread.join()
         self._close_wake_send()
+
+    def _stop_at_exit(self) -> None:
+        """:meth:`close`, its wait bounded (``_EXIT_JOIN_S``): exit must not hang on a stuck thread."""
+        with self._lock:
+            if self._stopping or not self._thread.is_alive():
+                return
+            self._stopping = True
+            self._queue.put(None)
+        self.wake()
+        self._thread.join(_EXIT_JOIN_S)
+        if not self._thread.is_alive():
+            self._close_wake_send()
 
     def _close_wake_send(self) -> None:
         with self._wake_lock:

@@ -1,6 +1,6 @@
 """Registers the "omnireduce" torch.distributed backend when torch is imported.
 
-The package declares :func:`omnireduce.autoload.register`, which calls this module's
+The package declares :func:`omnireduce_autoload.register`, which calls this module's
 :func:`register`, under torch's ``torch.backends`` entry point group, which ``import
 torch`` (2.5 and later) loads and calls, so ``dist.init_process_group("omnireduce")`` works in a script
 that never imports this project. It imports nothing of the project: the backend

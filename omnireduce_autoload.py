@@ -23,7 +23,7 @@ def register() -> None:
     try:
         spec = importlib.util.find_spec("worker")
         origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
-        ours = Path(__file__).resolve().parents[1] / "worker" / "__init__.py"
+        ours = Path(__file__).resolve().parent / "worker" / "__init__.py"
         if origin != ours:
             logger.warning("the 'omnireduce' torch.distributed backend is not registered: 'worker' here is %s, not "
                            "omnireduce's package at %s (a module of that name in the current directory?)",

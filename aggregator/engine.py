@@ -278,9 +278,7 @@ class Engine:
         missing = [r for r, p in enumerate(op.peers) if p is None and r != msg.rank] if op is not None else []
         if missing:
             # Mostly a rank's own timeout: the other ranks' errors then say whom the op waited for.
-            shown = ", ".join(map(str, missing[:_TOMBSTONE_RANKS]))
-            shown += ", ..." if len(missing) > _TOMBSTONE_RANKS else ""
-            reason += f" (the op still waited for {len(missing)} rank(s) here: {shown})"
+            reason += f" (the op still waited for ranks {ranks_text(missing)} here)"
         return self._fail_op(key, ErrorCode.REFUSED, f"rank {msg.rank} refused the op: {reason}", [msg.rank])
 
     def _on_hello(self, peer: bytes, msg: Hello) -> list[Outgoing]:

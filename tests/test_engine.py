@@ -108,7 +108,7 @@ def test_abort_fails_the_op_on_every_rank_before_and_after_their_starts() -> Non
     (peer, code, message), = error_replies(out)
     assert peer == peer_of(0) and code == ErrorCode.REFUSED
     # It names the ranks the op still waited for (rank 2; the aborting rank 1 aside).
-    assert message == "rank 1 refused the op: ConfigError: bad weight (the op still waited for 1 rank(s) here: 2)"
+    assert message == "rank 1 refused the op: ConfigError: bad weight (the op still waited for ranks [2] here)"
     assert engine.active_ops == 0
     # A rank that starts the op later is told the same; a second ABORT of it changes nothing.
     late = errors_by_peer(engine.handle(peer_of(2), _start(2, 3, 100)))

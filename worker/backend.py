@@ -156,6 +156,20 @@ def _strided(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
+def _chunk_refusal(chunk_link: Any, error: BaseException, what: str,
+                   then: Callable[[], None]) -> Callable[[], Callable[[], None]]:
+    """What numbers an all_to_all's chunk op in its turn (see ``_a2a_release``) by refusing it
+    on every rank; ``then`` completes the all_to_all once the lock is let go."""
+    def refuse() -> Callable[[], None]:
+        try:
+            chunk_link.refuse(error)
+        except OmniReduceError as e:
+            logger.debug("omnireduce %s: the chunks' op could not be refused: %s", what, e)
+        return then
+
+    return refuse
+
+
 def _gathered_value(outputs: list[list[torch.Tensor]]) -> Any:
     """A gathering Work's value as gloo's: the one input's list of outputs, or the lists of several."""
     return outputs[0] if len(outputs) == 1 else outputs
@@ -683,15 +697,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             seq = self._a2a_calls
             self._a2a_calls += 1
             self.worker.refuse(error, sized_bytes(self._world * self._world * 8))
-
-        def refuse() -> Callable[[], None]:
-            try:
-                chunk_link.refuse(error)
-            except OmniReduceError as e:
-                logger.debug("omnireduce %s: the chunks' op could not be refused: %s", what, e)
-            return lambda: None
-
-        self._a2a_release(seq, refuse)
+        self._a2a_release(seq, _chunk_refusal(chunk_link, error, what, lambda: None))
         raise error
 
     def _exchange(self, chunks: list[torch.Tensor], wanted: list[int], finish: Callable[[list[torch.Tensor]], None],
@@ -724,14 +730,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             # every rank: a table op that failed here only (this rank's own timeout, a lost
             # connection) must not leave the other ranks' chunk op unpaired, or every later
             # all_to_all would pair with the one before it.
-            def refuse() -> Callable[[], None]:
-                try:
-                    chunk_link.refuse(error)
-                except OmniReduceError as e:
-                    logger.debug("omnireduce %s: the chunks' op could not be refused: %s", what, e)
-                return lambda: fail_future(result, error)
-
-            self._a2a_release(seq, refuse)
+            self._a2a_release(seq, _chunk_refusal(chunk_link, error, what, lambda: fail_future(result, error)))
 
         def send_chunks(f: ConcurrentFuture) -> None:
             error = f.exception()

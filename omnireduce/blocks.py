@@ -9,6 +9,7 @@ which the short last block (if any) is stored short.
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "block_mask",
     "block_mask_numpy",
+    "warm",
     "next_table",
     "next_table_numpy",
     "split_payload",
@@ -110,6 +112,47 @@ def block_mask(flat: np.ndarray, block_size: int, threshold: float = 0.0) -> np.
         threads = config.mask_threads() if flat.nbytes >= _PARALLEL_MIN_BYTES else 1
         return kernels.block_mask_cpu(flat, block_size, threshold, parallel=threads)
     return block_mask_numpy(flat, block_size, threshold)
+
+
+# The kinds of tensor whose kernels warm() compiled in this process.
+_warmed: set[tuple[str, bool, bool, bool, bool]] = set()
+_warm_lock = threading.Lock()
+
+
+def warm(flat: np.ndarray, block_size: int) -> None:
+    """Compiles, in the calling thread, the Numba kernels that :func:`block_mask` and
+    :func:`next_table` will run on ``flat`` (or loads them from Numba's cache).
+
+    A kernel compiles on its first call for a kind of array: a second or two on an idle
+    machine, several on a loaded one. A worker's op runs these on its communication
+    thread, which answers no heartbeat meanwhile, so the aggregator counted a worker
+    whose first op compiled for longer than its heartbeat timeout as lost. The thread
+    that submits the op calls this first. Only the first call per kind of tensor
+    (element type, alignment, writeability, parallel pass) does any work.
+    """
+    if not kernels.HAVE_NUMBA or flat.ndim != 1 or flat.shape[0] < _NUMBA_MIN_ELEMENTS:
+        return
+    threads = config.mask_threads() if flat.nbytes >= _PARALLEL_MIN_BYTES else 1
+    # block_mask_cpu's word-wise pass needs 8-byte blocks and an 8-byte aligned start.
+    words = (block_size * flat.itemsize) % 8 == 0 and flat.ctypes.data % 8 == 0
+    table = -(-flat.shape[0] // block_size) >= _NEXT_TABLE_NUMBA_MIN
+    key = (flat.dtype.str, words, bool(flat.flags.writeable), threads > 1, table)
+    if key in _warmed:
+        return
+    with _warm_lock:
+        if key in _warmed:
+            return
+        # Two full blocks and a short one (the tail's own kernel), aligned as flat is.
+        n = 2 * block_size + 1
+        sample = np.zeros(n + 8, flat.dtype)
+        aligned = flat.ctypes.data % 8 == 0
+        skips = [i for i in range(8) if ((sample.ctypes.data + i * flat.itemsize) % 8 == 0) == aligned]
+        sample = sample[skips[0] if skips else 0 :][:n]
+        sample.flags.writeable = flat.flags.writeable
+        kernels.block_mask_cpu(sample, block_size, parallel=threads)
+        if table:
+            kernels.next_table_cpu(np.ones(4, np.bool_), 2)
+        _warmed.add(key)
 
 
 def next_table(mask: np.ndarray, layout: Layout) -> np.ndarray:

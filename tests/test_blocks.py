@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -135,3 +137,17 @@ def test_gather_view_and_scatter_slice_for_consecutive_blocks() -> None:
     assert blocks.contiguous_start(np.array([7, 8, 9])) == 7
     assert blocks.contiguous_start(np.array([9, 7, 8])) is None
     assert blocks.contiguous_start(np.array([], dtype=np.int64)) is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int8, np.int64])
+@pytest.mark.parametrize("block_size", [256, 3])
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("writeable", [True, False])
+def test_warm_takes_every_kind_of_flat_tensor(dtype: Any, block_size: int, offset: int, writeable: bool) -> None:
+    # Unaligned, read-only or odd-sized: warm compiles the kernels of the pass block_mask takes.
+    flat = np.zeros((1 << 16) + 7, dtype)[offset:]
+    flat[::997] = 1
+    flat.flags.writeable = writeable
+    blocks.warm(flat, block_size)
+    blocks.warm(flat, block_size)  # a second call finds them compiled
+    np.testing.assert_array_equal(blocks.block_mask(flat, block_size), blocks.block_mask_numpy(flat, block_size))

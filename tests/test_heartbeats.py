@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -336,8 +337,10 @@ def test_paused_aggregator_fails_ops_in_flight_then_serves_again(daemon: tuple[s
         t0 = time.monotonic()
         futs = [w.allreduce_async(np.ones(1000, np.float32)) for w in ws]
         for f in futs:
-            with pytest.raises(ConnectionLostError, match="heard nothing from the aggregator"):
+            with pytest.raises(ConnectionLostError, match="heard nothing from the aggregator") as e:
                 f.result(20)
+            # Why is known: no hint at the message size, which only an unexplained cut may be about.
+            assert "max-message-bytes" not in str(e.value)
         took = time.monotonic() - t0
         print(f"\naggregator SIGSTOP: ops failed {took * 1000:.0f} ms after it (heartbeat timeout {HB_TIMEOUT:g} s)")
         assert took < HB_TIMEOUT + 4  # the op timeout is 30 s
@@ -437,3 +440,32 @@ def test_daemon_closes_the_connection_of_an_unreachable_worker() -> None:
             for p in (child, proc):
                 p.kill()
                 p.wait(10)
+
+
+_COLD_KERNELS = textwrap.dedent("""
+    import numpy as np
+    from aggregator import Aggregator
+    from worker import Worker
+
+    # Numba's cache is empty (a fresh NUMBA_CACHE_DIR): the first op's kernels compile,
+    # for longer than the aggregator waits for a silent connection.
+    agg = Aggregator(heartbeat=0.05, heartbeat_timeout=0.4)
+    agg.start()
+    w = Worker(agg.address, rank=0, world_size=1, job="cold", timeout=30, heartbeat=0.05, heartbeat_timeout=0.4)
+    for dtype in (np.float32, np.float16):
+        x = np.zeros(1 << 20, dtype)
+        x[::1000] = 1
+        assert (w.allreduce(x) == x).all()
+    w.close()
+    agg.close()
+    print("exact")
+""")
+
+
+@pytest.mark.slow
+def test_kernels_compiling_for_a_first_op_keep_the_connection_alive(tmp_path: Path) -> None:
+    """A kernel compiles on its first call (a second here, many on a loaded machine): on the
+    communication thread, no heartbeat went out meanwhile and the aggregator dropped the worker."""
+    env = dict(child_env(), NUMBA_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _COLD_KERNELS], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0 and "exact" in out.stdout, (out.returncode, out.stderr[-3000:])

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from omnireduce import config
+from omnireduce import blocks, config
 from omnireduce.errors import ConfigError
 from omnireduce.layout import Layout
 from worker.auto import PathChooser
@@ -293,6 +293,8 @@ class Worker(SettingsView):
             except TypeError:
                 raise ConfigError(f"key must be hashable, got {type(auto_key).__name__}") from None
             dense = self._chooser.choose(auto_key, length, dtype.itemsize) == "dense"
+        if flat is not None and not dense:
+            blocks.warm(flat, layout.block_size)  # here, not on the communication thread (see warm)
         return OpRequest(
             flat, dtype, layout, restore, Future(), inplace, data, out, None if weight is None else float(weight),
             dense=dense, measured=self._measure(auto_key) if auto_key is not None and not dense else None,

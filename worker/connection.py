@@ -466,9 +466,10 @@ class Connection:
             except zmq.Again:
                 pass  # the socket is full of what this worker sent: the aggregator hears that
 
-    def _connection_lost(self, why: str, renew: bool) -> None:
+    def _connection_lost(self, why: str, renew: bool, unexplained: bool = False) -> None:
         """Fails the ops in flight on a connection that is gone; ``renew``: replace the socket
-        (ZeroMQ reconnects by itself only where the TCP connection closed)."""
+        (ZeroMQ reconnects by itself only where the TCP connection closed); ``unexplained``:
+        it closed without a word from the aggregator."""
         was, self._connected = self._connected, False
         self._renew = self._renew or renew
         # HELLO and messages of the lost ops must not go out on the next connection.
@@ -478,19 +479,21 @@ class Connection:
         pending = self._pending
         logger.warning("worker rank %d of job %r: %s; failing ops %s", self.rank, self.job, why, sorted(pending))
         for op in list(pending):
-            # The aggregator cuts a connection that sends a frame above its --max-message-bytes
-            # without a word: the op's largest message says whether that may be why.
-            state = pending[op].state
-            layout = state.layout
-            largest = min(min(layout.message_blocks, max(layout.num_columns, 1)) * layout.block_size,
-                          layout.length) * state.dtype.itemsize
+            hint = ""
+            if unexplained:
+                # The aggregator cuts a connection that sends a frame above its --max-message-bytes
+                # without a word: the op's largest message says whether that may be why.
+                state = pending[op].state
+                layout = state.layout
+                largest = min(min(layout.message_blocks, max(layout.num_columns, 1)) * layout.block_size,
+                              layout.length) * state.dtype.itemsize
+                hint = (f" Its messages carry up to {largest} bytes: an aggregator cuts the connection of a message "
+                        "above its --max-message-bytes")
             # The ABORT goes out after the next HELLO: an op this rank never STARTed (its START
             # lost with the connection) would otherwise wait at the aggregator for it, once the
             # rank is back, until the other ranks' timeout.
             self._give_up(op, ConnectionLostError(
-                f"{why}; the op's state is gone (new ops use a new connection). Its messages carry up to "
-                f"{largest} bytes: an aggregator cuts the connection of a message above its --max-message-bytes",
-                job=self.job, op=op,
+                f"{why}; the op's state is gone (new ops use a new connection).{hint}", job=self.job, op=op,
             ))
 
     def _give_up(self, op: int, error: BaseException) -> None:
@@ -518,7 +521,8 @@ class Connection:
                 logger.info("worker rank %d of job %r: connected to %s", self.rank, self.job, self.address)
                 self._on_connected()
             elif kind == zmq.EVENT_DISCONNECTED:
-                self._connection_lost(f"lost the connection to the aggregator at {self.address}", renew=False)
+                self._connection_lost(f"lost the connection to the aggregator at {self.address}", renew=False,
+                                      unexplained=True)
             elif kind in transport.HANDSHAKE_FAILURES:
                 self._connected = False
                 self._handshake_failures += 1

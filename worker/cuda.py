@@ -108,6 +108,8 @@ class PinnedPool:
 
 
 _pool = PinnedPool()
+# The kinds of output whose put kernel CudaOpData._warm_put compiled.
+_put_warmed: set[tuple[str, int, int, bool]] = set()
 
 
 def _host_view(buf: Any, n: int, dtype: np.dtype) -> np.ndarray:
@@ -213,6 +215,7 @@ class CudaOpData:
             self._ready = 0
             self._compact = Layout(n, block_size, 1, 1)
             self.out = self._alloc_out()
+            self._warm_put()
 
     def _alloc_out(self) -> Any:
         kc = self._kc
@@ -224,6 +227,23 @@ class CudaOpData:
             out = kc.empty_like_device(self._x, self.length, self._flat_dtype, self.stream).reshape(self._shape)
         kc.cuda_zero(out, stream=self.stream)
         return out
+
+    def _warm_put(self) -> None:
+        """Compiles the put kernel that :meth:`scatter` runs on the communication thread here,
+        on the caller's: compiling there answers no heartbeat (see :func:`omnireduce.blocks.warm`).
+
+        Once per kind of output; the launch names one block past the last, which the kernel skips.
+        """
+        key = (self._flat_dtype.str, self.block_size, (self.length * self._storage.itemsize) % 8, is_torch(self._x))
+        if key in _put_warmed:
+            return
+        kc, bs = self._kc, self.block_size
+        ids = kc.empty_like_device(self._x, 1, np.int64, self.stream)
+        ids.copy_to_device(np.array([-(-self.length // bs)], np.int64), stream=self.stream)
+        payload = kc.empty_like_device(self._x, bs, self._storage, self.stream)
+        kc.cuda_put(self.out, ids, payload, bs, stream=self.stream)
+        self.stream.synchronize()
+        _put_warmed.add(key)
 
     def _wait(self, elements: int) -> None:
         while self._ready < elements:

@@ -466,7 +466,8 @@ class Engine:
         if op is None:
             op = self._new_op(j, msg, body)  # checks the START's shape before allocating
         elif params != op.params:
-            names = ("world_size", "length", "dtype", "block_size", "message_blocks", "streams", "weighted", "eager")
+            names = ("world_size", "length", "dtype", "block_size", "message_blocks", "streams", "weighted", "shape",
+                     "part", "eager")
             joined = [r for r, p in enumerate(op.peers) if p is not None]
             # Lower ranks' values first, so the text does not depend on who arrived first.
             groups = [joined, [msg.rank]]

@@ -33,7 +33,8 @@ def op_params(msg: Start) -> tuple[Any, ...]:
     """What every worker of an op must agree on."""
     return (
         msg.world_size, msg.length, msg.dtype, msg.block_size, msg.message_blocks, msg.streams,
-        msg.weight is not None, bool(msg.eager),
+        msg.weight is not None, None if msg.shape is None else tuple(msg.shape),
+        None if msg.part is None else tuple(msg.part), bool(msg.eager),
     )
 
 

@@ -106,7 +106,9 @@ assert sys.byteorder == "little", "omnireduce's wire format assumes a little-end
 #: 7: HEARTBEAT messages (instead of ZeroMQ's heartbeats; every one answered, except answers)
 #: and the DROPPED error code.
 #: 8: ABORT messages and the REFUSED error code.
-PROTOCOL_VERSION = 8
+#: 9: ``Start.shape``, a sparse tensor's shape, and ``Start.part``, which part of a sharded op:
+#: ranks that differ fail the op; a sharded op's parts take its number at every shard.
+PROTOCOL_VERSION = 9
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
 MAX_HEADER_BYTES = 4096
@@ -119,6 +121,8 @@ MAX_WORLD_SIZE = 1 << 16
 _MAX_MESSAGE = 4096
 #: Longest reason of an ABORT, in characters (its header stays within MAX_HEADER_BYTES).
 MAX_REASON = 512
+#: The most dimensions of a START's shape (torch's tensors have at most 64).
+MAX_DIMS = 64
 
 
 class MsgType(IntEnum):
@@ -193,6 +197,13 @@ class Start:
     while the next ones arrive. None (unset, as every optional field) or False: it
     does not, and ``stream`` and ``stream_count`` are None.
 
+    ``shape`` (all workers of an op must agree; None for a flat tensor) is the shape of a
+    sparse tensor whose rows the op sums: tensors of other shapes may hold as many rows
+    of the same width, and their rows must not be summed together. ``part`` (all
+    workers must agree; None for a whole op) is ``[index, parts]`` of an op that is one
+    part of a sharded worker's op: parts of one size cut from other places must not be
+    summed together either.
+
     Frames: the first nonzero block of every column (of the streams, if eager) that
     has one (int64, in column order; see :func:`compact_pointers`); if eager, then
     the payload of those blocks.
@@ -213,6 +224,8 @@ class Start:
     eager: bool | None = None
     stream: int | None = None
     stream_count: int | None = None
+    shape: list[int] | None = None
+    part: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -499,7 +512,8 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
         raise ProtocolError(f"{cls.__name__} header: missing fields {missing}, unexpected fields {_short(extra)}")
     _check_str("job", header["job"], MAX_NAME, empty=False)
     for name in names:
-        if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager", "reply", "reason"):
+        if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager", "reply", "reason",
+                    "shape", "part"):
             continue
         optional = (cls is Error and name == "op") or (cls is Start and name == "stream") or name == "stream_count"
         _check_int(name, header[name], optional=optional)
@@ -522,6 +536,18 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
         _check_real("compute", header["compute"], positive=False)
         if header["eager"] is not None and type(header["eager"]) is not bool:
             raise ProtocolError(f"START header has a non-boolean eager {_short(header['eager'])}")
+        shape = header["shape"]
+        if shape is not None and (
+            not isinstance(shape, list) or len(shape) > MAX_DIMS
+            or not all(type(d) is int and 0 <= d < 1 << 62 for d in shape)
+        ):
+            raise ProtocolError(f"START header has a bad shape {_short(shape)}")
+        part = header["part"]
+        if part is not None and not (
+            isinstance(part, list) and len(part) == 2 and all(type(v) is int for v in part)
+            and 0 <= part[0] < part[1] <= MAX_WORLD_SIZE
+        ):
+            raise ProtocolError(f"START header has a bad part {_short(part)}")
     if cls is Heartbeat and header["reply"] is not None and type(header["reply"]) is not bool:
         raise ProtocolError(f"HEARTBEAT header has a non-boolean reply {_short(header['reply'])}")
     if cls is Result and header["batches"] is not None:

@@ -39,7 +39,7 @@ MESSAGES = [
     Start("j", 0, 2, 1, 33, int(DType.INT64), 8, 4, 3, weight=7, compute=0.0),  # an int weight; compute 0
     Start("j", 0, 2, 1, 33, int(DType.FLOAT64), 8, 4, 3, weight=None, compute=1.5),
     Start("j", 0, 2, 1, 33, int(DType.FLOAT64), 8, 4, 3, weight=1.0, compute=1.5, eager=True, stream=2,
-          stream_count=5),
+          stream_count=5, shape=[11, 3], part=[1, 4]),
     Blocks("job-a", 2, 7, 3, 12),
     Result("j", 4, 1, 6),  # batches unset
     RECOMMENDS,
@@ -106,6 +106,11 @@ def test_header_carries_version_and_type() -> None:
     assert header["t"] == MsgType.RESULT
 
 
+def _start(**fields) -> bytes:
+    header = msgpack.unpackb(encode(Start("j", 0, 2, 1, 33, int(DType.FLOAT32), 8, 4, 3))[0])
+    return msgpack.packb({**header, **fields})
+
+
 def _header(**fields) -> bytes:
     base = {"v": PROTOCOL_VERSION, "t": int(MsgType.BLOCKS), "job": "j", "rank": 0, "op": 0, "stream": 0, "round": 0}
     base.update(fields)
@@ -130,6 +135,8 @@ def _header(**fields) -> bytes:
         ([_header(job=7)], "job"),
         ([b"\x80" * 5000], "exceeds"),
         ([msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.HEARTBEAT), "job": "j", "reply": 1})], "reply"),
+        *[([_start(shape=v)], "shape") for v in ([-1], [1.5], "3", [1] * 65, [1 << 62])],
+        *[([_start(part=v)], "part") for v in ([1, 1], [0], [-1, 2], [0, 1.0], "0", [0, (1 << 16) + 1])],
         ([msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.ABORT), "job": "j", "rank": 0, "op": 0,
                          "reason": 5})], "reason"),
         ([msgpack.packb({"v": PROTOCOL_VERSION, "t": int(MsgType.ABORT), "job": "j", "rank": 0, "op": 0,

@@ -677,11 +677,15 @@ def test_weighted_mean_of_rows(aggregator: Aggregator, dtype: Any) -> None:
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_aggregator", "two_shards"])
 def test_mismatched_rows_fail_on_every_rank(aggregator: Aggregator, two_shards: list[str], sharded: bool) -> None:
-    def rows(num_rows: int, width: int, dtype: Any = np.float32) -> SparseRows:
-        return SparseRows(_rows(0, num_rows - 1), np.ones((2, width), dtype), num_rows)
+    def rows(num_rows: int, width: int, dtype: Any = np.float32, shape: tuple[int, ...] | None = None) -> SparseRows:
+        return SparseRows(_rows(0, num_rows - 1), np.ones((2, width), dtype), num_rows, shape)
 
     pairs = [
         ("num_rows", rows(10, 3), rows(11, 3)),
+        # As many rows of the same width in tensors of other shapes: gloo refuses these too.
+        ("shape", rows(6, 1, shape=(2, 3)), rows(6, 1, shape=(3, 2))),
+        ("sparse_dims", rows(6, 1, shape=(6,)), rows(6, 1, shape=(2, 3))),
+        ("dense_dims", rows(4, 6, shape=(4, 6)), rows(4, 6, shape=(4, 2, 3))),
         ("width", rows(10, 3), rows(10, 4)),
         ("same_length_other_width", rows(10, 6), rows(20, 3)),
         ("dtype", rows(10, 3), rows(10, 3, np.float64)),
@@ -704,6 +708,7 @@ def test_mismatched_rows_fail_on_every_rank(aggregator: Aggregator, two_shards: 
     for msgs in run_ranks(2, rank):
         assert len(msgs) == len(pairs)
         assert "job='mismatch'" in msgs[0]
+        assert "shape: (2, 3) vs (3, 2)" in msgs[1], msgs[1]
 
 
 # What the op sends.

@@ -328,8 +328,8 @@ def test_connect_makes_the_kind_of_worker_that_fits(shards: list[Aggregator], mo
 
 
 def test_small_ops_take_the_shards_in_turn(shards: list[Aggregator]) -> None:
-    """An op of b bytes goes to ceil(b / shard_bytes) shards, starting where the last op
-    stopped; a weighted op too (a rank's own weight must not change the shards it takes).
+    """An op of b bytes goes to ceil(b / shard_bytes) shards, op n starting at shard n % S;
+    a weighted op too (a rank's own weight must not change the shards it takes).
     Sums stay exact whatever the shards."""
     import torch
 
@@ -361,11 +361,11 @@ def test_small_ops_take_the_shards_in_turn(shards: list[Aggregator]) -> None:
             return out, ops
 
     got = run_ranks(world, rank)
-    # 100, 100, 100, 100 -> one shard each, in turn; 150 -> two; 250 -> all three
-    # (from shard 2); then the 100 and the rows one each, the 640-byte COO tensor two;
-    # the weighted op of 100 one, in turn.
-    expected_ops = [[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0], [0, 1, 1], [1, 1, 0], [1, 1, 1],
-                    [0, 0, 1], [1, 0, 0], [0, 1, 1], [1, 0, 0]]
+    # 100, 100, 100, 100 -> one shard each, in turn; 150 -> two (ops 4 and 5: from shards
+    # 1 and 2); 250 -> all three; then the 100 and the rows one each, the 640-byte COO
+    # tensor two; the weighted op of 100 one, in turn.
+    expected_ops = [[1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0], [0, 1, 1], [1, 0, 1], [1, 1, 1],
+                    [0, 1, 0], [0, 0, 1], [1, 1, 0], [0, 1, 0]]
     for r in range(world):
         out, ops = got[r]
         assert ops == expected_ops
@@ -473,8 +473,8 @@ def test_an_op_waits_for_the_last_of_its_key_to_choose_alike_on_every_rank(shard
                 assert np.array_equal(f.result(timeout=20), 2 * x)
             return [s.stats.ops for s in w.shards]
 
-    # 3 shards for the first (6400 dense bytes), 1 for the second (a 64-byte union): shard 0 twice.
-    assert run_ranks(2, rank) == [[2, 1, 1], [2, 1, 1]]
+    # 3 shards for the first (6400 dense bytes), 1 for the second (a 64-byte union, op 1: shard 1).
+    assert run_ranks(2, rank) == [[1, 2, 1], [1, 2, 1]]
 
 
 def test_each_shard_cuts_eager_ops_in_its_share_of_the_pieces(shards: list[Aggregator]) -> None:
@@ -523,7 +523,7 @@ def test_a_part_refused_by_one_shard_fails_the_op_on_every_rank_and_breaks_nothi
 
 def test_an_op_refused_before_its_split_takes_the_shards_the_others_take(shards: list[Aggregator]) -> None:
     """Refused up front (an ``out=`` of the wrong size on rank 0 only), the op still takes its
-    number on the shards its size sends it to (two of three here), so every later op agrees."""
+    number, at every shard, so every later op agrees."""
     addresses = [a.address for a in shards]
     x = np.arange(200, dtype=np.float32)  # 800 bytes: 2 shards of 400
 
@@ -541,8 +541,9 @@ def test_an_op_refused_before_its_split_takes_the_shards_the_others_take(shards:
     for y in (after0, after1):
         for got, want in zip(y, [2 * x, 2 * x[:50], 2 * x], strict=True):
             np.testing.assert_array_equal(got, want)
-    # The refused op took shards 0 and 1, then 2+0, 1, 2+0; the shards count the ops that ran.
-    assert ops0 == ops1 == [2, 1, 2]
+    # The refused op took shards 0 and 1 on rank 1, then ops 1-3 take 1+2, 2, 0+1; the shards
+    # count the ops that ran.
+    assert ops0 == ops1 == [1, 2, 2]
 
 
 @pytest.mark.parametrize("bad", ["out", "rows"])
@@ -607,7 +608,7 @@ def test_a_keyed_op_whose_result_fails_to_convert_on_one_rank_leaves_the_next_si
                     outcomes.append("ok")
                 except OmniReduceError as e:
                     outcomes.append(type(e).__name__)
-            return outcomes, [s.stats.ops for s in w.shards], w._turn
+            return outcomes, [s.stats.ops for s in w.shards], w._ops
 
     (out0, ops0, turn0), (out1, ops1, turn1) = run_ranks(2, rank)
     assert out0 == ["ok", "OpError", "ok", "ok"] and out1 == ["ok"] * 4
@@ -641,3 +642,66 @@ def test_a_keyed_ops_history_holds_neither_its_result_nor_every_key(shards: list
     (freed0, kept0, ops0), (freed1, kept1, ops1) = run_ranks(2, rank)
     assert freed0 and freed1
     assert kept0 == kept1 == 8 and ops0 == ops1
+
+
+# Ranks that split an op differently: the op fails on every rank, and the next ones are right.
+
+
+def test_ranks_splitting_an_op_differently_fail_it_and_stay_in_step(shards: list[Aggregator]) -> None:
+    """Rank 0's tensor is one shard's worth, rank 1's three: their parts used to pair with
+    other ops' parts at the shards from then on (later ops summed with other ops' data)."""
+    addresses = [a.address for a in shards]
+    rng = np.random.default_rng(9)
+    good = [[rng.standard_normal(n).astype(np.float32) for n in (100, 250, 150, 100)] for _ in range(2)]
+
+    def rank(r: int) -> tuple[type, list[np.ndarray]]:
+        with connect(addresses, rank=r, world_size=2, job="split-apart", timeout=20, block_size=16,
+                     message_blocks=4, streams=2, shard_bytes=400) as w:
+            with pytest.raises(OmniReduceError) as info:
+                w.allreduce(np.ones(100 if r == 0 else 250, np.float32))
+            return type(info.value), [w.allreduce(x) for x in good[r]]
+
+    t0 = time.monotonic()
+    for error, out in run_ranks(2, rank):
+        assert error is MismatchError
+        for got, a, b in zip(out, *good, strict=True):
+            np.testing.assert_array_equal(got, a + b)
+    assert time.monotonic() - t0 < 15  # no op waited for its timeout
+
+
+def test_ranks_listing_the_shards_in_other_orders_fail_every_op(shards: list[Aggregator]) -> None:
+    """Each rank's part k went to its own shard k: parts cut from other places of the tensor
+    were summed together, silently."""
+    addresses = [a.address for a in shards[:2]]
+
+    def rank(r: int) -> list[str]:
+        order = addresses if r == 0 else addresses[::-1]
+        with connect(order, rank=r, world_size=2, job="reordered", timeout=20, block_size=16,
+                     message_blocks=4, streams=2, shard_bytes=0) as w:
+            errors = []
+            for _ in range(3):
+                with pytest.raises(MismatchError) as info:
+                    w.allreduce(np.arange(64, dtype=np.float32) * (r + 1))
+                errors.append(str(info.value))
+            return errors
+
+    for errors in run_ranks(2, rank):
+        assert all("workers disagree on the op: part: (" in e for e in errors), errors
+
+
+def test_a_misspelt_option_fails_the_op_on_every_rank_and_keeps_them_in_step(shards: list[Aggregator]) -> None:
+    addresses = [a.address for a in shards]
+    x = np.arange(300, dtype=np.float32)
+
+    def rank(r: int) -> tuple[type, np.ndarray]:
+        with connect(addresses, rank=r, world_size=2, job="misspelt", timeout=20, block_size=16,
+                     message_blocks=4, streams=2, shard_bytes=400) as w:
+            options = {"wieght": 1.0} if r == 0 else {}
+            with pytest.raises((TypeError, PeerRefusedError)) as info:
+                w.allreduce(x, **options)
+            return type(info.value), w.allreduce(x[:100])
+
+    (e0, y0), (e1, y1) = run_ranks(2, rank)
+    assert e0 is TypeError and e1 is PeerRefusedError
+    np.testing.assert_array_equal(y0, 2 * x[:100])
+    np.testing.assert_array_equal(y1, 2 * x[:100])

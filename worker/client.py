@@ -32,7 +32,7 @@ from worker.connection import Connection
 from worker.cuda import CudaOpData, is_cuda_tensor
 from worker.knownrows import KnownRows, KnownRowsOpData, as_known
 from worker.loop import WAITS_FOR_ITSELF, CommLoop
-from worker.op import OpRequest, check_destination
+from worker.op import OpRequest, PartOf, check_destination
 from worker.rows import RowsOpData, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
 from worker.stats import OpStats, Stats
@@ -170,6 +170,7 @@ class Worker(SettingsView):
         key: Any = None,
         rows: Any = None,
         dense: bool = False,
+        part: PartOf | None = None,
     ) -> Future:
         """Starts a sum over all workers of the job; returns a future of the result.
 
@@ -207,6 +208,8 @@ class Worker(SettingsView):
                 return the sum as a dense tensor of its shape (NumPy for
                 ``SparseRows``), written straight from the received rows (or into
                 ``out``), instead of a sparse one.
+            part: internal to :class:`worker.sharded.ShardedWorker`: the op is a part
+                of its op, numbered by it.
 
         Returns:
             A future of an array or tensor of ``x``'s type, shape and dtype.
@@ -217,10 +220,13 @@ class Worker(SettingsView):
         """
         try:
             request = self._request(x, inplace, out, weight, compute_time, key, rows, dense)
+            request.part = part
+            if part is not None:
+                request.op = part.op
         except Exception as e:
             # Every other rank's op of the number this one would have taken fails at once, naming
             # this rank and why, and the ranks' later ops keep their numbers in step.
-            self.refuse(e)
+            self.refuse(e, part=part)
             raise
         fut = request.future
         with self._lock:
@@ -300,7 +306,7 @@ class Worker(SettingsView):
             dense=dense, measured=self._measure(auto_key) if auto_key is not None and not dense else None,
         )
 
-    def refuse(self, error: BaseException, x: Any = None, **options: Any) -> None:
+    def refuse(self, error: BaseException, x: Any = None, *, part: PartOf | None = None, **options: Any) -> None:
         """Takes the next op number for an op this rank will not send, and fails that op on
         every rank: theirs raise :class:`~omnireduce.errors.PeerRefusedError` naming this rank
         and ``error``, at once instead of at their timeout.
@@ -312,9 +318,10 @@ class Worker(SettingsView):
         Args:
             error: why (its type and message are sent).
             x: the tensor the op would have summed; unused (one aggregator: one number).
+            part: internal: the sharded op whose part is refused (its number).
             **options: the op's options; unused.
         """
-        self._connection.abort(error)
+        self._connection.abort(error, op=-1 if part is None else part.op)
 
     def allreduce(self, x: Any, **options: Any) -> Any:
         """Sums ``x`` over all workers of the job and returns the result.

@@ -224,7 +224,8 @@ class Connection:
                 else:
                     why = ""
                 raise WorkerClosedError(f"worker rank {self.rank} of job {self.job!r} is closed{why}") from self._dead
-            request.op = next(self._op_counter)
+            if request.op < 0:  # else numbered by its caller: a sharded op's part (see worker.op.PartOf)
+                request.op = next(self._op_counter)
             self._loop.put(self, request)
         self._loop.notify()
         return request.op
@@ -234,16 +235,17 @@ class Connection:
         """Whether the caller runs on the communication thread (an op's callback)."""
         return self._loop.on_thread
 
-    def abort(self, error: BaseException) -> int | None:
+    def abort(self, error: BaseException, op: int = -1) -> int | None:
         """Numbers an op that this rank refuses (``error``: why) and tells the aggregator, which
         fails it on every rank; returns its number, or None if the connection is closed.
+        ``op``: the number, where the caller numbers the op (a sharded op's part).
 
         For a refusal raised before :meth:`submit`: the other ranks' op of that number
         fails at once (:class:`~omnireduce.errors.PeerRefusedError`) instead of at its
         timeout, and every rank's later ops keep their numbers in step.
         """
         try:
-            return self.submit(AbortRequest(refusal_text(error)))
+            return self.submit(AbortRequest(refusal_text(error), op=op))
         except WorkerClosedError:
             return None  # nothing more goes out: the other ranks' ops fail by the lost peer
 

@@ -112,6 +112,24 @@ def check_destination(flat: np.ndarray, dtype: DType, inplace: bool, out: np.nda
     check_out(out, len(flat), dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class PartOf:
+    """What makes an op one part of a sharded worker's op (:mod:`worker.sharded`).
+
+    Attributes:
+        op: the sharded op's number, which its parts take at every shard: ranks that
+            split an op differently stay in step for the next ones.
+        index: which part this is.
+        parts: how many parts the op has.
+        shape: the whole tensor's shape, for a sparse tensor's rows; else None.
+    """
+
+    op: int
+    index: int
+    parts: int
+    shape: tuple[int, ...] | None = None
+
+
 @dataclass(slots=True)
 class OpRequest:
     """One allreduce as a caller asked for it, checked and ready to run.
@@ -129,6 +147,7 @@ class OpRequest:
         compute: seconds of compute reported for batch balancing, or None.
         dense: send every block (no zero-block detection).
         measured: called with the op's stats once it finished (auto mode's density record).
+        part: where the op is a sharded op's part, which (its number included).
         op: the op number, given by the connection when it queues the request.
     """
 
@@ -144,6 +163,7 @@ class OpRequest:
     compute: float | None = None
     dense: bool = False
     measured: Callable[[OpStats], None] | None = None
+    part: PartOf | None = None
     op: int = -1
 
 
@@ -171,6 +191,8 @@ class WorkerOp:
         compute: seconds of compute reported for batch balancing; None if not measured.
         dense: send every block, without detecting the zero ones (the dense path:
             no mask pass; the sums are the same).
+        part: where the op is a sharded op's part, which: the START says so, and every
+            rank's must agree.
     """
 
     def __init__(
@@ -189,8 +211,10 @@ class WorkerOp:
         compute: float | None = None,
         dense: bool = False,
         pieces: int = EAGER_PIECES,
+        part: PartOf | None = None,
     ) -> None:
         self.job = job
+        self.part = part
         #: Most STARTs an eager payload is cut in (omnireduce.layout.eager_start_blocks).
         self.pieces = pieces
         self.rank = rank
@@ -266,12 +290,18 @@ class WorkerOp:
         return cls(
             settings.job, settings.rank, settings.world_size, request.op, request.flat, request.dtype,
             request.layout, inplace=request.inplace, data=request.data, out=request.out, weight=request.weight,
-            compute=request.compute, dense=request.dense, pieces=settings.eager_pieces,
+            compute=request.compute, dense=request.dense, pieces=settings.eager_pieces, part=request.part,
         )
 
     @property
     def done(self) -> bool:
         return self._left == 0
+
+    def _shape(self) -> list[int] | None:
+        """The sparse tensor's shape that the START carries (a part's: the whole tensor's)."""
+        if self.part is not None and self.part.shape is not None:
+            return list(self.part.shape)
+        return getattr(self._data, "shape", None)
 
     def start(self) -> list[list[Any]]:
         """The START messages (round 0), each a list of frames.
@@ -284,7 +314,8 @@ class WorkerOp:
         header = Start(
             self.job, self.rank, self.world_size, self.op, self.layout.length, int(self.dtype),
             self.layout.block_size, self.layout.message_blocks, self.layout.streams,
-            self.weight, self.compute, self.eager or None,
+            self.weight, self.compute, self.eager or None, shape=self._shape(),
+            part=None if self.part is None else [self.part.index, self.part.parts],
         )
         if not self.eager:
             frames = encode(header, compact_pointers(self._mynext))

@@ -324,6 +324,11 @@ class RowsOpData(RowBlocks):
         self._ids: list[np.ndarray] = []
         self._payloads: list[np.ndarray] = []
 
+    @property
+    def shape(self) -> list[int]:
+        """The sparse tensor's shape, which every rank's op must share (``Start.shape``)."""
+        return list(self.x.dense_shape)
+
     def gather(self, ids: np.ndarray, layout: Layout) -> np.ndarray:
         """The rows ``ids`` (all of them stored here) as one payload, a view where they are consecutive."""
         pos = np.searchsorted(self.x.rows, ids)

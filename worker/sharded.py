@@ -32,6 +32,14 @@ the same choice from the same op sequence, so each shard sees the same ops from
 every rank; a shard may get an empty chunk (a tensor of fewer blocks than the
 shards it goes to).
 
+Every part of the sharded worker's op ``n`` is op ``n`` at its shard (numbered by
+the sharded worker, not by the shard's connection), starting at shard ``n % S``,
+and its START says which part of how many it is (:class:`worker.op.PartOf`): ranks
+that split an op differently (tensors of other sizes, a misconfigured
+``shard_bytes``, shards listed in another order) fail it on every rank, where their
+parts would otherwise have been summed with other parts, and their next ops are in
+step again.
+
 ``worker.connect([addr0, addr1], ...)`` or ``worker.connect("tcp://a:5555,tcp://b:5555", ...)``
 (or a comma-separated ``OMNIREDUCE_ADDRESS``) returns a :class:`ShardedWorker`.
 """
@@ -40,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
 import threading
@@ -59,7 +68,7 @@ from worker.client import Worker
 from worker.cuda import check_cuda_torch_dtype, is_cuda_tensor
 from worker.knownrows import KnownRows, as_known
 from worker.loop import WAITS_FOR_ITSELF, CommLoop
-from worker.op import LAZY_ZEROS_BYTES, check_destination, lazy_zeros, pages_written
+from worker.op import LAZY_ZEROS_BYTES, PartOf, check_destination, lazy_zeros, pages_written
 from worker.rows import RowPieces, ShardChunk, SparseRows, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
 from worker.stats import OpStats, Stats, merge_parallel
@@ -74,6 +83,8 @@ _SAMPLE_BLOCKS = 1024
 _WAIT_MARGIN_S = 60.0
 # Keys whose last op's density is kept (a DDP model has one per bucket).
 _KEYS_KEPT = 4096
+# The options a shard's allreduce takes (checked before any shard is handed a part).
+_SHARD_OPTIONS = inspect.signature(Worker.allreduce_async)
 def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, int]]:
     """The element range ``[lo, hi)`` of every shard's chunk of a tensor.
 
@@ -241,9 +252,6 @@ class ShardedWorker(SettingsView):
         self._submit_lock = threading.Lock()
         self._closed = False
         self._broken: BaseException | None = None
-        # The shard the next op starts at (under _submit_lock): ops of fewer shards than
-        # there are take the shards in turn.
-        self._turn = 0
         # The shard whose aggregator's batch recommendation stands (see recommended_batches).
         self._balanced = 0
         # Ops taken so far: an op's number in its stats (a shard sees only the ops sent to it).
@@ -296,7 +304,12 @@ class ShardedWorker(SettingsView):
         rows, dense = kwargs.pop("rows", None), kwargs.pop("dense", False)
         parts: int | None = None
         key: Hashable | None = None
+        shape: tuple[int, ...] | None = None
         try:
+            # A misspelt option fails here, on every shard alike, not at the shard it first reaches.
+            if "part" in kwargs:
+                raise ConfigError("part is set by the sharded worker itself")
+            _SHARD_OPTIONS.bind(None, None, **kwargs)
             known = as_known(x, rows, dense, inplace, out, self.world_size)
             if known is not None:
                 x = known
@@ -308,7 +321,7 @@ class ShardedWorker(SettingsView):
                 chunk_kwargs: list[dict[str, Any]] = [{} for _ in chunks]
                 finish: Any = lambda _results, x=x: x.result  # noqa: E731
             elif is_rows(x):
-                chunks, finish = self._split_rows(x, inplace, out, parts)
+                chunks, finish, shape = self._split_rows(x, inplace, out, parts)
                 chunk_kwargs = [{} for _ in chunks]
             elif is_cuda_tensor(x):
                 device = True
@@ -318,7 +331,7 @@ class ShardedWorker(SettingsView):
                 chunks, chunk_kwargs, finish = self._split_host(x, inplace, out, parts)
         except Exception as e:
             if parts is None:
-                # Sized as the other ranks size it: as a tensor of given rows where rows= or dense= was asked.
+                # Its history key as the other ranks know it: a tensor of given rows where rows= or dense= was asked.
                 self.refuse(e, given, known=rows is not None or bool(dense), **kwargs)
             else:
                 self.refuse(e, parts=parts, history=key)
@@ -329,14 +342,15 @@ class ShardedWorker(SettingsView):
         # tensor, whose shards' parts are prepared on the device one by one: the first
         # may go out while the caller waits on the device for the next.
         with contextlib.nullcontext() if device else self._loop.held_wakes():
-            gather, shard_futures = self._submit(fut, parts, chunks, chunk_kwargs, kwargs, finish, key)
+            gather, shard_futures = self._submit(fut, parts, chunks, chunk_kwargs, kwargs, finish, key, shape)
             for i, f in enumerate(shard_futures):
                 f.add_done_callback(lambda f, i=i: gather.on_done(i, f))
         return fut
 
     def _submit(self, fut: Future, parts: int, chunks: list[Any], chunk_kwargs: list[dict[str, Any]],
-                kwargs: dict[str, Any], finish: Any, key: Hashable | None) -> tuple[_Gather, list[Future]]:
-        """Hands every part of one op to its shard, all under one op number; returns the op's
+                kwargs: dict[str, Any], finish: Any, key: Hashable | None,
+                shape: tuple[int, ...] | None) -> tuple[_Gather, list[Future]]:
+        """Hands every part of one op to its shard, each under the op's number; returns the op's
         gather and the shards' futures."""
         with self._submit_lock:
             if self._closed or self._broken is not None:
@@ -344,29 +358,30 @@ class ShardedWorker(SettingsView):
                     f"sharded worker rank {self.rank} of job {self.job!r} is closed"
                     + ("" if self._broken is None else f" (a shard failed to take an op: {self._broken})")
                 ) from self._broken
-            nshards = len(self.shards)
-            targets = [(self._turn + i) % nshards for i in range(parts)]
-            gather = _Gather(self, fut, self._ops, targets, finish)
+            seq = self._ops
+            targets = self._targets(seq, parts)
+            gather = _Gather(self, fut, seq, targets, finish)
             shard_futures = []
             for i, (k, chunk) in enumerate(zip(targets, chunks, strict=True)):
                 try:
-                    shard_futures.append(self.shards[k].allreduce_async(chunk, **chunk_kwargs[i], **kwargs))
+                    part = PartOf(seq, i, parts, shape)
+                    shard_futures.append(self.shards[k].allreduce_async(chunk, **chunk_kwargs[i], **kwargs, part=part))
                 except BaseException as e:
                     if isinstance(e, WorkerClosedError):
-                        # Shard k took no number while the others took theirs: their op numbers
-                        # no longer agree, so no later op can be right.
+                        # A shard closed under this worker: it can no longer sum its parts.
                         self._broken = e
                         logger.error("sharded worker rank %d of job %r: shard %d (%s) refused an op: %s",
                                      self.rank, self.job, k, self.addresses[k], e)
                     else:
-                        # Shard k refused its part and took its number for it (its Worker told
-                        # its aggregator); the shards after it refuse theirs, so every shard's op
-                        # fails or completes on every rank, with the numbers in step.
-                        for j in targets[i + 1:]:
-                            self.shards[j].refuse(e)
-                        self._advance(targets, key)
+                        # Shard k refused its part (its Worker told its aggregator); every shard
+                        # that has no part of it yet refuses the op too, so that it fails on every
+                        # rank wherever the other ranks sent their parts.
+                        for j in range(len(self.shards)):
+                            if j != k and j not in targets[:i]:
+                                self.shards[j].refuse(e, part=PartOf(seq, 0, 1))
+                        self._advance(key)
                     raise self._shard_error(k, e) from e
-            self._advance(targets)
+            self._advance()
             if kwargs.get("weight") is not None or kwargs.get("compute_time") is not None:
                 self._balanced = targets[0]
             if key is not None:
@@ -378,46 +393,46 @@ class ShardedWorker(SettingsView):
                     self._last_of.popitem(last=False)
         return gather, shard_futures
 
-    def _advance(self, targets: list[int], refused: Hashable | None = None) -> None:
-        """Counts an op that took ``targets`` (under ``_submit_lock``); ``refused``: the history
-        key of an op refused here, whose history is forgotten: on the other ranks its op failed,
-        and a failed op's density counts as 1, as no history does."""
-        self._turn = (targets[-1] + 1) % len(self.shards)
+    def _targets(self, seq: int, parts: int) -> list[int]:
+        """The shards of op ``seq`` of ``parts`` parts: in turn, from the op's number alone, so
+        that ranks that split one op differently (and failed it) agree on the next ones."""
+        nshards = len(self.shards)
+        return [(seq + i) % nshards for i in range(parts)]
+
+    def _advance(self, refused: Hashable | None = None) -> None:
+        """Counts an op (under ``_submit_lock``); ``refused``: the history key of an op refused
+        here, whose history is forgotten: on the other ranks its op failed, and a failed op's
+        density counts as 1, as no history does."""
         self._ops += 1
         if refused is not None:
             self._last_of.pop(refused, None)
 
     def refuse(self, error: BaseException, x: Any = None, *, parts: int | None = None, history: Hashable | None = None,
                known: bool = False, **options: Any) -> None:
-        """Takes the next op's numbers for an op this rank will not send, on the shards it would
-        go to, and fails it on every rank (see :meth:`worker.client.Worker.refuse`).
+        """Takes the next op's number for an op this rank will not send, and fails it on every
+        rank (see :meth:`worker.client.Worker.refuse`): every shard is told, wherever the
+        other ranks sent their parts.
 
         Args:
             error: why (its type and message are sent).
             x: the tensor the op would have summed, whose size (with ``options``, as in
-                :meth:`allreduce_async`) tells how many shards the other ranks' op takes;
-                without it, or if it is no tensor, every shard (with ``shard_bytes`` 0,
-                always right; else the others' op may take fewer, and the shards
-                beyond theirs are then out of step).
-            parts: how many shards, where known already (then ``history``: the op's history key).
+                :meth:`allreduce_async`) gives the key of its history, which is forgotten.
+            parts: unused (every shard is told); where given, ``history`` is the op's history key.
             known: ``x`` was to be summed from given rows (``rows=`` or ``dense=True``): its
                 history is that of such ops.
             **options: the op's options (``weight``, ``key``, ...).
         """
-        if parts is None:
-            parts = len(self.shards)
-            if x is not None:
-                try:
-                    parts, history = self._parts_for(x, options, known=known)
-                except Exception:  # noqa: BLE001 - x is what was refused: every shard, then
-                    logger.debug("sharded worker rank %d: no shard count for a refused op", self.rank, exc_info=True)
+        if parts is None and x is not None:
+            try:
+                _, history = self._parts_for(x, options, known=known)
+            except Exception:  # noqa: BLE001 - x is what was refused: no history to forget, then
+                logger.debug("sharded worker rank %d: no history key for a refused op", self.rank, exc_info=True)
         with self._submit_lock:
             if self._closed or self._broken is not None:
                 return
-            targets = [(self._turn + i) % len(self.shards) for i in range(parts)]
-            for k in targets:
-                self.shards[k].refuse(error)
-            self._advance(targets, history)
+            for shard in self.shards:
+                shard.refuse(error, part=PartOf(self._ops, 0, 1))
+            self._advance(history)
 
     def allreduce(self, x: Any, **options: Any) -> Any:
         """Sums ``x`` over all workers of the job and returns the result (see :meth:`allreduce_async`).
@@ -484,14 +499,13 @@ class ShardedWorker(SettingsView):
 
         Waits for that op if it is still running, so that the estimate does not depend on
         timing (every rank must choose the same shards) — except on the communication
-        thread (a callback), which cannot wait for itself: such a rare op takes 1.
+        thread (a callback), which cannot wait for itself: such a rare op takes 1 whether
+        or not the last one is done here (which depends on timing).
         """
         last = self._last_of.get(key)
-        if last is None:
+        if last is None or self._loop.on_thread:
             return 1.0
         if not last.done.is_set():
-            if self._loop.on_thread:
-                return 1.0
             # Every op ends within its timeout (failed if need be); the margin is for safety.
             last.done.wait(self.timeout + _WAIT_MARGIN_S)
         return 1.0 if last.density is None else last.density
@@ -527,7 +541,7 @@ class ShardedWorker(SettingsView):
             lambda _results: restore(full).reshape(shape),
         )
 
-    def _split_rows(self, x: Any, inplace: bool, out: Any, parts: int) -> tuple[list[Any], Any]:
+    def _split_rows(self, x: Any, inplace: bool, out: Any, parts: int) -> tuple[list[Any], Any, tuple[int, ...]]:
         # Rows are dealt round-robin (row r to shard r % S), not cut in ranges as a dense
         # tensor's blocks are: an embedding's frequent rows often come first, and ranges
         # would load one shard (and its link) with most of them. Each shard returns the
@@ -542,7 +556,7 @@ class ShardedWorker(SettingsView):
             joined = RowPieces.join(results, rows.num_rows, rows.shape)
             return joined if data.sparse_dim is None else joined.to_torch(data.sparse_dim)
 
-        return chunks, finish
+        return chunks, finish, rows.dense_shape
 
     def _split_cuda(self, x: Any, inplace: bool, out: Any, parts: int) -> tuple[list[Any], Any]:
         if not is_torch(x):

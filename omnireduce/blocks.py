@@ -23,6 +23,7 @@ __all__ = [
     "block_mask",
     "block_mask_numpy",
     "warm",
+    "warm_dtype",
     "next_table",
     "next_table_numpy",
     "split_payload",
@@ -133,22 +134,38 @@ def warm(flat: np.ndarray, block_size: int) -> None:
     if not kernels.HAVE_NUMBA or flat.ndim != 1 or flat.shape[0] < _NUMBA_MIN_ELEMENTS:
         return
     threads = config.mask_threads() if flat.nbytes >= _PARALLEL_MIN_BYTES else 1
-    # block_mask_cpu's word-wise pass needs 8-byte blocks and an 8-byte aligned start.
-    words = (block_size * flat.itemsize) % 8 == 0 and flat.ctypes.data % 8 == 0
     table = -(-flat.shape[0] // block_size) >= _NEXT_TABLE_NUMBA_MIN
-    key = (flat.dtype.str, words, bool(flat.flags.writeable), threads > 1, table)
+    _warm(flat.dtype, block_size, flat.ctypes.data % 8 == 0, bool(flat.flags.writeable), threads, table)
+
+
+def warm_dtype(dtype: np.dtype, block_size: int) -> None:
+    """:func:`warm` for every aligned, writeable flat tensor of ``dtype``, whatever its size.
+
+    For a thread that submits ops whose size it does not know yet, but whose op may then
+    be submitted from the communication thread (an all_to_all's chunks, sized by the
+    answer of a first op).
+    """
+    if kernels.HAVE_NUMBA:
+        threads = config.mask_threads()
+        for t in {1, threads}:
+            _warm(np.dtype(dtype), block_size, True, True, t, True)
+
+
+def _warm(dtype: np.dtype, block_size: int, aligned: bool, writeable: bool, threads: int, table: bool) -> None:
+    # block_mask_cpu's word-wise pass needs 8-byte blocks and an 8-byte aligned start.
+    words = (block_size * dtype.itemsize) % 8 == 0 and aligned
+    key = (dtype.str, words, writeable, threads > 1, table)
     if key in _warmed:
         return
     with _warm_lock:
         if key in _warmed:
             return
-        # Two full blocks and a short one (the tail's own kernel), aligned as flat is.
+        # Two full blocks and a short one (the tail's own kernel), aligned as asked.
         n = 2 * block_size + 1
-        sample = np.zeros(n + 8, flat.dtype)
-        aligned = flat.ctypes.data % 8 == 0
-        skips = [i for i in range(8) if ((sample.ctypes.data + i * flat.itemsize) % 8 == 0) == aligned]
+        sample = np.zeros(n + 8, dtype)
+        skips = [i for i in range(8) if ((sample.ctypes.data + i * dtype.itemsize) % 8 == 0) == aligned]
         sample = sample[skips[0] if skips else 0 :][:n]
-        sample.flags.writeable = flat.flags.writeable
+        sample.flags.writeable = writeable
         kernels.block_mask_cpu(sample, block_size, parallel=threads)
         if table:
             kernels.next_table_cpu(np.ones(4, np.bool_), 2)

@@ -469,3 +469,43 @@ def test_kernels_compiling_for_a_first_op_keep_the_connection_alive(tmp_path: Pa
     env = dict(child_env(), NUMBA_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", _COLD_KERNELS], capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0 and "exact" in out.stdout, (out.returncode, out.stderr[-3000:])
+
+
+
+_COLD_ALL_TO_ALL = textwrap.dedent("""
+    import os, sys
+    import torch
+    import torch.distributed as dist
+
+    # As _COLD_KERNELS, for the chunk op of an all_to_all, which goes out from a callback.
+    address, store, rank = sys.argv[1:]
+    # Two mask threads and 4 MB chunks: the parallel kernel compiles too, for 2 s or more
+    # (longer than the aggregator waits for a silent connection).
+    os.environ.update(OMNIREDUCE_ADDRESS=address, OMNIREDUCE_JOB="cold-a2a", OMNIREDUCE_HEARTBEAT="0.1",
+                      OMNIREDUCE_HEARTBEAT_TIMEOUT="1.0", OMNIREDUCE_MASK_THREADS="2")
+    dist.init_process_group("omnireduce", init_method="file://" + store, rank=int(rank), world_size=2)
+    x = torch.arange(1 << 21, dtype=torch.float32)
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    mine = x.view(2, -1)[int(rank)]  # every rank sends the same x: its half r to rank r
+    assert torch.equal(out.view(2, -1)[0], mine) and torch.equal(out.view(2, -1)[1], mine)
+    dist.destroy_process_group()
+    print("exact")
+""")
+
+
+@pytest.mark.slow
+def test_kernels_of_an_all_to_alls_chunk_op_compile_off_the_communication_thread(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    env = dict(child_env(), NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    with Aggregator(heartbeat=0.1, heartbeat_timeout=1.0).start() as agg:
+        procs = [subprocess.Popen([sys.executable, "-c", _COLD_ALL_TO_ALL, agg.address, str(tmp_path / "store"),
+                                   str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for r in range(2)]
+        outs = [p.communicate(timeout=180) for p in procs]
+        # A compile on the communication thread silenced its connections: the aggregator dropped
+        # them (one without an op in flight came back for the next op unharmed).
+        dropped = agg.counters.connections_dropped
+    for p, (stdout, stderr) in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "exact" in stdout, (p.returncode, stderr[-3000:])
+    assert dropped == 0

@@ -44,10 +44,11 @@ from concurrent.futures import Future as ConcurrentFuture
 from datetime import timedelta
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from omnireduce import config
+from omnireduce import blocks, config
 from omnireduce.errors import CollectiveError, ConfigError, OmniReduceError
 from worker.api import Allreducer, connect
 from worker.autoload import BACKEND_NAME, register
@@ -217,6 +218,8 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         # all_to_all calls so far, those whose chunks have gone, and the ones ready to go.
         self._a2a_lock = threading.Lock()
         self._a2a_calls = 0
+        # Whether the kernels of all_to_all's chunk ops were compiled (see _exchange).
+        self._a2a_warm = False
         self._a2a_sent = 0
         self._a2a_ready: dict[int, Callable[[], Callable[[], None]]] = {}
         # torch keeps a group's name in its backends; this group is its own backend.
@@ -715,6 +718,12 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         """
         world, me = self._world, self._rank
         chunk_link = self._links(what).group_link("a2a")
+        if not self._a2a_warm:
+            # The chunk op goes out from the table op's callback, on the communication thread,
+            # where compiling its kernels would silence the connection's heartbeats: here instead.
+            for dtype in (np.int64, np.int32, np.int16, np.uint8):
+                blocks.warm_dtype(np.dtype(dtype), chunk_link.block_size)
+            self._a2a_warm = True
         mine = torch.tensor([c.numel() for c in chunks], dtype=torch.int64)
         with self._a2a_lock:
             # The call-order number with the table's op: two threads' all_to_alls send their

@@ -105,6 +105,43 @@ def test_close_from_a_callback_does_not_deadlock(aggregator: Aggregator) -> None
     assert len(_worker_threads(0)) + len(_worker_threads(1)) == before
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_waiting_for_a_pending_op_in_a_callback_raises_instead_of_blocking_the_thread(
+        aggregator: Aggregator, shards: list[Aggregator], sharded: bool) -> None:
+    """A callback that waited there for another op blocked the communication thread for good:
+    that op never completed, nor timed out (the thread does that too), nor did any other."""
+    address = [a.address for a in shards[:2]] if sharded else aggregator.address
+    second_sent = threading.Event()
+
+    def rank(r: int) -> tuple[list[str], np.ndarray]:
+        with connect(address, rank=r, world_size=2, job=f"cb-wait-{sharded}", timeout=10, **ONE) as w:
+            seen: list[str] = []
+            first = w.allreduce_async(np.ones(50, np.float32))
+            if r == 0:
+                second = w.allreduce_async(np.full(50, 2.0, np.float32))
+
+                def wait_for_second(_f: Future) -> None:
+                    for call in (second.result, second.exception):
+                        try:
+                            call()
+                        except RuntimeError as e:
+                            seen.append(str(e))
+                    # Still pending: rank 1 sends it once this callback returned.
+                    second_sent.set()
+
+                first.add_done_callback(wait_for_second)
+            else:
+                assert second_sent.wait(10)
+                second = w.allreduce_async(np.full(50, 2.0, np.float32))
+            first.result(timeout=10)
+            return seen, second.result(timeout=10)
+
+    (seen, y0), (_, y1) = run_ranks(2, rank, timeout=30)
+    assert len(seen) == 2 and all("would wait for that thread itself" in e for e in seen), seen
+    np.testing.assert_array_equal(y0, np.full(50, 4.0, np.float32))
+    np.testing.assert_array_equal(y1, y0)
+
+
 def test_attach_to_closed_loop_is_refused(aggregator: Aggregator) -> None:
     loop = CommLoop(name="omnireduce-worker-test")
     loop.close()

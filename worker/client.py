@@ -31,7 +31,7 @@ from worker.auto import PathChooser
 from worker.connection import Connection
 from worker.cuda import CudaOpData, is_cuda_tensor
 from worker.knownrows import KnownRows, KnownRowsOpData, as_known
-from worker.loop import WAITS_FOR_ITSELF, CommLoop
+from worker.loop import WAITS_FOR_ITSELF, CommLoop, OpFuture
 from worker.op import OpRequest, PartOf, check_destination
 from worker.rows import RowsOpData, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
@@ -302,7 +302,8 @@ class Worker(SettingsView):
         if flat is not None and not dense:
             blocks.warm(flat, layout.block_size)  # here, not on the communication thread (see warm)
         return OpRequest(
-            flat, dtype, layout, restore, Future(), inplace, data, out, None if weight is None else float(weight),
+            flat, dtype, layout, restore, OpFuture(self._connection.loop), inplace, data, out,
+            None if weight is None else float(weight),
             dense=dense, measured=self._measure(auto_key) if auto_key is not None and not dense else None,
         )
 

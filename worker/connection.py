@@ -231,6 +231,11 @@ class Connection:
         return request.op
 
     @property
+    def loop(self) -> CommLoop:
+        """The communication thread that runs this connection."""
+        return self._loop
+
+    @property
     def on_loop_thread(self) -> bool:
         """Whether the caller runs on the communication thread (an op's callback)."""
         return self._loop.on_thread

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CommLoop", "Service", "fail_future"]
+__all__ = ["CommLoop", "OpFuture", "Service", "fail_future"]
 
 _wake_ids = itertools.count()
 # The loops alive, closed at interpreter exit (see _close_at_exit).
@@ -359,6 +359,32 @@ def _end_quietly(svc: Service) -> None:
 #: Why a blocking call made on a communication thread is refused.
 WAITS_FOR_ITSELF = ("a blocking allreduce on the worker's communication thread (in an op's callback) would wait "
                     "for that thread itself: use allreduce_async there")
+
+
+class OpFuture(Future):
+    """The future of an op run by ``loop``: waiting for it on that loop's thread while it is
+    pending raises at once.
+
+    That thread completes the op (and times it out): a callback of another op that waited
+    there for this one would wait for itself, for good, and every op of the loop with it.
+    """
+
+    def __init__(self, loop: CommLoop) -> None:
+        super().__init__()
+        self._loop = loop
+
+    def _refuse_waiting_for_itself(self) -> None:
+        if not self.done() and self._loop.on_thread:
+            raise RuntimeError("waiting for an op's future on the worker's communication thread (in an op's "
+                               "callback) would wait for that thread itself: chain a callback instead")
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._refuse_waiting_for_itself()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._refuse_waiting_for_itself()
+        return super().exception(timeout)
 
 
 def fail_future(fut: Future, error: BaseException) -> None:

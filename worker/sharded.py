@@ -67,7 +67,7 @@ from omnireduce.layout import shard_eager_pieces
 from worker.client import Worker
 from worker.cuda import check_cuda_torch_dtype, is_cuda_tensor
 from worker.knownrows import KnownRows, as_known
-from worker.loop import WAITS_FOR_ITSELF, CommLoop
+from worker.loop import WAITS_FOR_ITSELF, CommLoop, OpFuture
 from worker.op import LAZY_ZEROS_BYTES, PartOf, check_destination, lazy_zeros, pages_written
 from worker.rows import RowPieces, ShardChunk, SparseRows, is_rows, rows_op_data
 from worker.settings import SettingsView, WorkerSettings
@@ -336,7 +336,7 @@ class ShardedWorker(SettingsView):
             else:
                 self.refuse(e, parts=parts, history=key)
             raise
-        fut: Future = Future()
+        fut: Future = OpFuture(self._loop)
         # The thread is woken once every shard's request is queued and every callback set:
         # woken earlier, it would contend with this caller for the GIL. Not for a device
         # tensor, whose shards' parts are prepared on the device one by one: the first

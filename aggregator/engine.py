@@ -297,8 +297,9 @@ class Engine:
         if j is None:
             return []
         out: list[Outgoing] = []
-        # Ops it had joined cannot complete; ops it had not joined will time out, naming it.
-        for o in sorted(o for o in j.ops if peer in self._ops[(j.name, o)].peers):
+        # No op in flight can complete: not those it joined, nor those it never will join now
+        # (they would wait for their timeout).
+        for o in sorted(j.ops):
             out += self._fail_op((j.name, o), ErrorCode.PEER_LOST, f"rank {msg.rank} left (its worker was closed)",
                                  [msg.rank])
         self._drop_if_idle(j)

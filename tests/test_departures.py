@@ -178,3 +178,29 @@ def test_a_worker_that_died_before_its_hello_was_read_fails_the_job_fast(caplog:
         assert "rank 1" in got.message
         # The new path ran (else the end was read after the HELLO, as it always could be).
         assert "closed before its first message was read" in caplog.text
+
+
+def test_a_rank_that_closes_fails_the_ops_it_never_joined_at_once() -> None:
+    """An op another rank started that the closing rank had not joined waited for its timeout."""
+    import numpy as np
+
+    from omnireduce import PeerLostError
+    from worker import Worker
+
+    with Aggregator(listen="tcp://127.0.0.1:0", timeout=30.0).start() as agg:
+        ws = [Worker(agg.address, rank=r, world_size=2, job="left-behind", timeout=30) for r in range(2)]
+        try:
+            x = np.ones(1000, np.float32)
+            futs = [w.allreduce_async(x) for w in ws]
+            for f in futs:
+                assert (f.result(10) == 2).all()
+            pending = ws[1].allreduce_async(x)  # rank 0 never joins it
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            ws[0].close()
+            with pytest.raises(PeerLostError, match="rank 0 left"):
+                pending.result(10)
+            assert time.monotonic() - t0 < 5
+        finally:
+            for w in ws:
+                w.close()

@@ -754,6 +754,26 @@ def test_a_rows_op_lays_one_row_per_column_in_few_streams(num_rows: int, width: 
         assert layout.block_size == width and layout.length == num_rows * width
         assert layout.num_columns == max(num_rows, 0) and layout.num_streams == streams
         assert layout.message_blocks * width * np.dtype(dtype).itemsize <= ROWS_MESSAGE_BYTES
+    from worker.rows import ROWS_MAX_STREAMS, rows_layout
+
+    # More rows than ROWS_MAX_STREAMS messages hold: longer streams, never more of them.
+    layout = rows_layout(100_000_000, 128, DType.FLOAT32)
+    assert layout.num_streams == ROWS_MAX_STREAMS and layout.num_columns >= 100_000_000
+
+
+def test_a_table_of_more_rows_than_the_streams_hold_sums_in_longer_streams(aggregator: Aggregator) -> None:
+    """nn.Embedding(100_000_000, 128, sparse=True): 1526 streams of 32 MB each exceeded the
+    aggregator's limit of 1024 streams per op (a LimitError on every rank)."""
+    n, width = 100_000_000, 128
+    xs = [torch.sparse_coo_tensor(torch.tensor([[r, n - 1]]), torch.ones(2, width), (n, width)) for r in range(2)]
+
+    def rank(r: int) -> Any:
+        with connect(aggregator.address, rank=r, world_size=2, job="long-streams", timeout=20) as w:
+            return w.allreduce(xs[r])
+
+    for y in run_ranks(2, rank):
+        assert y.indices().tolist() == [[0, 1, n - 1]]
+        assert torch.equal(y.values(), torch.tensor([[1.0] * width, [1.0] * width, [2.0] * width]))
 
 
 def test_an_inproc_rank_may_change_its_rows_once_its_op_returned() -> None:

@@ -37,6 +37,8 @@ __all__ = [
 #: Payload bytes a rows op's message carries at most (the aggregator refuses frames over
 #: 64 MiB by default); fewer, larger messages cut the fixed cost of a sparse op.
 ROWS_MESSAGE_BYTES = 32 << 20
+#: Most streams of a rows op: the aggregator's default ``--max-streams``.
+ROWS_MAX_STREAMS = 1024
 
 
 def is_sparse_torch(x: Any) -> bool:
@@ -396,11 +398,14 @@ def rows_layout(num_rows: int, width: int, dtype: DType) -> Layout:
 
     One column per row, so the op is eager (every nonzero row moves with the
     START, one round trip whatever the density); as few streams as keep a
-    message's payload within :data:`ROWS_MESSAGE_BYTES`.
+    message's payload within :data:`ROWS_MESSAGE_BYTES`, and at most
+    :data:`ROWS_MAX_STREAMS`: a table of more rows than that many messages hold
+    (an embedding of 100M rows of 128 floats) has longer streams, whose messages
+    exceed that size only where a rank sends most rows of one stream's range.
     """
     rows = max(1, num_rows)
     per_message = max(1, ROWS_MESSAGE_BYTES // (width * dtype.itemsize))
-    streams = -(-rows // per_message)
+    streams = min(-(-rows // per_message), ROWS_MAX_STREAMS)
     return Layout(num_rows * width, width, -(-rows // streams), streams)
 
 

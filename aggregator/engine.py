@@ -293,13 +293,16 @@ class Engine:
         return out
 
     def _on_bye(self, peer: bytes, msg: Bye) -> list[Outgoing]:
+        before = self._jobs.get(msg.job)
+        held = before is not None and before.members.get(msg.rank) == peer
         j = self._jobs.leave(peer, msg.job, msg.rank)
         if j is None:
             return []
         out: list[Outgoing] = []
-        # No op in flight can complete: not those it joined, nor those it never will join now
-        # (they would wait for their timeout).
-        for o in sorted(j.ops):
+        # No op in flight can complete: not those it joined, nor, where it held its rank, those
+        # it never will join now (they would wait for their timeout). A connection whose rank
+        # another one took over leaves that one's ops alone.
+        for o in sorted(o for o in j.ops if held or peer in self._ops[(j.name, o)].peers):
             out += self._fail_op((j.name, o), ErrorCode.PEER_LOST, f"rank {msg.rank} left (its worker was closed)",
                                  [msg.rank])
         self._drop_if_idle(j)

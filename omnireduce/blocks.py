@@ -24,6 +24,7 @@ __all__ = [
     "block_mask_numpy",
     "warm",
     "warm_dtype",
+    "warm_next_table",
     "next_table",
     "next_table_numpy",
     "split_payload",
@@ -45,6 +46,8 @@ __all__ = [
 # way: np.flatnonzero + np.take (gather below) matched or beat the Numba
 # gather at every size, so gather and scatter stay NumPy.
 _NUMBA_MIN_ELEMENTS = 1 << 16
+#: Below this many elements no Numba kernel runs for a tensor (nothing to warm).
+NUMBA_MIN_ELEMENTS = _NUMBA_MIN_ELEMENTS
 # Below this a pass takes tens of microseconds: waking numba's threads would cost more.
 _PARALLEL_MIN_BYTES = 4 << 20
 # From this many elements added on, add_rows calls the Numba kernel (below it the
@@ -116,7 +119,7 @@ def block_mask(flat: np.ndarray, block_size: int, threshold: float = 0.0) -> np.
 
 
 # The kinds of tensor whose kernels warm() compiled in this process.
-_warmed: set[tuple[str, bool, bool, bool, bool]] = set()
+_warmed: set[tuple[str, bool, bool, bool, bool] | str] = set()
 _warm_lock = threading.Lock()
 
 
@@ -136,6 +139,16 @@ def warm(flat: np.ndarray, block_size: int) -> None:
     threads = config.mask_threads() if flat.nbytes >= _PARALLEL_MIN_BYTES else 1
     table = -(-flat.shape[0] // block_size) >= _NEXT_TABLE_NUMBA_MIN
     _warm(flat.dtype, block_size, flat.ctypes.data % 8 == 0, bool(flat.flags.writeable), threads, table)
+
+
+def warm_next_table(num_blocks: int) -> None:
+    """:func:`warm` for :func:`next_table` alone, of an op of ``num_blocks`` blocks whose
+    mask comes from elsewhere (a device tensor's)."""
+    if kernels.HAVE_NUMBA and num_blocks >= _NEXT_TABLE_NUMBA_MIN and "table" not in _warmed:
+        with _warm_lock:
+            if "table" not in _warmed:
+                kernels.next_table_cpu(np.ones(4, np.bool_), 2)
+                _warmed.add("table")
 
 
 def warm_dtype(dtype: np.dtype, block_size: int) -> None:

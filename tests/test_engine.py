@@ -309,3 +309,26 @@ def test_the_union_of_ranks_pointers_and_where_each_rank_is_in_it(runs: list[lis
     np.testing.assert_array_equal(union, sorted(set().union(*runs)))
     for a in arrays:
         np.testing.assert_array_equal(union[positions(union, a)], a)
+
+
+def test_a_bye_fails_the_ops_in_flight_only_from_the_connection_that_holds_its_rank() -> None:
+    """A rank's connection taken over by a newer one (its process restarted) that then says
+    BYE must not fail the new holder's and the other ranks' ops."""
+    from omnireduce.protocol import Bye
+
+    eng = Engine(timeout=30.0)
+    old, new, r1 = b"old-rank0", b"new-rank0", b"rank1"
+
+    def send(peer: bytes, frames: list) -> list:
+        return [(p, decode(wire(f))[0]) for p, f in eng.handle(peer, wire(frames))]
+
+    for peer, rank in ((old, 0), (r1, 1), (new, 0)):
+        assert send(peer, encode(Hello("j", rank, 2, 0, ""))) == []
+    send(new, start_frames(0, 2, op=0))
+    assert not [m for _, m in send(old, encode(Bye("j", 0))) if isinstance(m, Error)]
+    out = send(r1, start_frames(1, 2, op=0))
+    assert out and not [m for _, m in out if isinstance(m, Error)], out
+    # The holder's BYE fails its op 0 and also op 1, which rank 1 started and it never will join.
+    send(r1, start_frames(1, 2, op=1))
+    errors = {(p, m.op, m.code) for p, m in send(new, encode(Bye("j", 0))) if isinstance(m, Error)}
+    assert (r1, 1, ErrorCode.PEER_LOST) in errors and (r1, 0, ErrorCode.PEER_LOST) in errors, errors

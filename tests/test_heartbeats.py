@@ -443,21 +443,20 @@ def test_daemon_closes_the_connection_of_an_unreachable_worker() -> None:
 
 
 _COLD_KERNELS = textwrap.dedent("""
+    import sys
     import numpy as np
-    from aggregator import Aggregator
     from worker import Worker
 
     # Numba's cache is empty (a fresh NUMBA_CACHE_DIR): the first op's kernels compile,
-    # for longer than the aggregator waits for a silent connection.
-    agg = Aggregator(heartbeat=0.05, heartbeat_timeout=0.4)
-    agg.start()
-    w = Worker(agg.address, rank=0, world_size=1, job="cold", timeout=30, heartbeat=0.05, heartbeat_timeout=0.4)
+    # serial and parallel (two mask threads, 16 MB), for longer than the aggregator (in
+    # the test's process) waits for a silent connection.
+    w = Worker(sys.argv[1], rank=0, world_size=1, job="cold", timeout=30, heartbeat=0.1, heartbeat_timeout=1.0)
+    w.allreduce(np.ones(8, np.float32))  # connected (too small for a kernel)
     for dtype in (np.float32, np.float16):
-        x = np.zeros(1 << 20, dtype)
+        x = np.zeros(1 << 22, dtype)
         x[::1000] = 1
         assert (w.allreduce(x) == x).all()
     w.close()
-    agg.close()
     print("exact")
 """)
 
@@ -466,10 +465,13 @@ _COLD_KERNELS = textwrap.dedent("""
 def test_kernels_compiling_for_a_first_op_keep_the_connection_alive(tmp_path: Path) -> None:
     """A kernel compiles on its first call (a second here, many on a loaded machine): on the
     communication thread, no heartbeat went out meanwhile and the aggregator dropped the worker."""
-    env = dict(child_env(), NUMBA_CACHE_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", _COLD_KERNELS], capture_output=True, text=True, timeout=180, env=env)
+    env = dict(child_env(), NUMBA_CACHE_DIR=str(tmp_path), OMNIREDUCE_MASK_THREADS="2")
+    with Aggregator(heartbeat=0.1, heartbeat_timeout=1.0).start() as agg:
+        out = subprocess.run([sys.executable, "-c", _COLD_KERNELS, agg.address], capture_output=True, text=True,
+                             timeout=180, env=env)
+        dropped = agg.counters.connections_dropped
     assert out.returncode == 0 and "exact" in out.stdout, (out.returncode, out.stderr[-3000:])
-
+    assert dropped == 0
 
 
 _COLD_ALL_TO_ALL = textwrap.dedent("""

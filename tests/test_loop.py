@@ -121,6 +121,8 @@ def test_waiting_for_a_pending_op_in_a_callback_raises_instead_of_blocking_the_t
                 second = w.allreduce_async(np.full(50, 2.0, np.float32))
 
                 def wait_for_second(_f: Future) -> None:
+                    with pytest.raises(TimeoutError):
+                        second.result(timeout=0)  # a poll is no wait
                     for call in (second.result, second.exception):
                         try:
                             call()

@@ -718,9 +718,12 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         """
         world, me = self._world, self._rank
         chunk_link = self._links(what).group_link("a2a")
-        if not self._a2a_warm:
+        # The chunk op's length: the longest of the ranks' bytes (at least this rank's, and what
+        # any rank sends it), times the world.
+        if not self._a2a_warm and max(sum(c.numel() for c in chunks), *wanted) * world >= blocks.NUMBA_MIN_ELEMENTS:
             # The chunk op goes out from the table op's callback, on the communication thread,
-            # where compiling its kernels would silence the connection's heartbeats: here instead.
+            # where compiling its kernels would silence the connection's heartbeats: here instead
+            # (for chunks that may take them: long enough as bytes, whichever integer kind).
             for dtype in (np.int64, np.int32, np.int16, np.uint8):
                 blocks.warm_dtype(np.dtype(dtype), chunk_link.block_size)
             self._a2a_warm = True

@@ -301,6 +301,8 @@ class Worker(SettingsView):
             dense = self._chooser.choose(auto_key, length, dtype.itemsize) == "dense"
         if flat is not None and not dense:
             blocks.warm(flat, layout.block_size)  # here, not on the communication thread (see warm)
+        elif data is not None and not dense:
+            blocks.warm_next_table(layout.num_blocks)
         return OpRequest(
             flat, dtype, layout, restore, OpFuture(self._connection.loop), inplace, data, out,
             None if weight is None else float(weight),

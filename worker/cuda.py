@@ -109,7 +109,7 @@ class PinnedPool:
 
 _pool = PinnedPool()
 # The kinds of output whose put kernel CudaOpData._warm_put compiled.
-_put_warmed: set[tuple[str, int, int, bool]] = set()
+_put_warmed: set[tuple[str, int, int, bool, str]] = set()
 
 
 def _host_view(buf: Any, n: int, dtype: np.dtype) -> np.ndarray:
@@ -234,7 +234,9 @@ class CudaOpData:
 
         Once per kind of output; the launch names one block past the last, which the kernel skips.
         """
-        key = (self._flat_dtype.str, self.block_size, (self.length * self._storage.itemsize) % 8, is_torch(self._x))
+        # Numba compiles a kernel per device too.
+        key = (self._flat_dtype.str, self.block_size, (self.length * self._storage.itemsize) % 8, is_torch(self._x),
+               str(getattr(self._x, "device", "")))
         if key in _put_warmed:
             return
         kc, bs = self._kc, self.block_size

@@ -373,17 +373,18 @@ class OpFuture(Future):
         super().__init__()
         self._loop = loop
 
-    def _refuse_waiting_for_itself(self) -> None:
-        if not self.done() and self._loop.on_thread:
+    def _refuse_waiting_for_itself(self, timeout: float | None) -> None:
+        # A zero timeout only polls (TimeoutError if pending); any wait there is for nothing.
+        if (timeout is None or timeout > 0) and not self.done() and self._loop.on_thread:
             raise RuntimeError("waiting for an op's future on the worker's communication thread (in an op's "
                                "callback) would wait for that thread itself: chain a callback instead")
 
     def result(self, timeout: float | None = None) -> Any:
-        self._refuse_waiting_for_itself()
+        self._refuse_waiting_for_itself(timeout)
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._refuse_waiting_for_itself()
+        self._refuse_waiting_for_itself(timeout)
         return super().exception(timeout)
 
 

@@ -84,7 +84,7 @@ _WAIT_MARGIN_S = 60.0
 # Keys whose last op's density is kept (a DDP model has one per bucket).
 _KEYS_KEPT = 4096
 # The options a shard's allreduce takes (checked before any shard is handed a part).
-_SHARD_OPTIONS = inspect.signature(Worker.allreduce_async)
+_SHARD_OPTIONS = frozenset(inspect.signature(Worker.allreduce_async).parameters) - {"self", "x", "part"}
 def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, int]]:
     """The element range ``[lo, hi)`` of every shard's chunk of a tensor.
 
@@ -307,9 +307,11 @@ class ShardedWorker(SettingsView):
         shape: tuple[int, ...] | None = None
         try:
             # A misspelt option fails here, on every shard alike, not at the shard it first reaches.
-            if "part" in kwargs:
-                raise ConfigError("part is set by the sharded worker itself")
-            _SHARD_OPTIONS.bind(None, None, **kwargs)
+            if not _SHARD_OPTIONS.issuperset(kwargs):
+                if "part" in kwargs:
+                    raise ConfigError("part is set by the sharded worker itself")
+                unknown = sorted(set(kwargs) - _SHARD_OPTIONS)
+                raise TypeError(f"allreduce_async() got unexpected keyword arguments {unknown}")
             known = as_known(x, rows, dense, inplace, out, self.world_size)
             if known is not None:
                 x = known

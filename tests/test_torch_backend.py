@@ -59,6 +59,13 @@ def test_sparse_embeddings_train_under_ddp_as_on_gloo(agg, tmp_path, how: str) -
             assert res["paths"]["sparse"] > 0
 
 
+def test_a_static_graphs_first_iteration_goes_out_and_weighs_each_step_anew(agg, tmp_path) -> None:
+    """DDP(static_graph=True): its first iteration hung (a sparse gradient held for a bucket that
+    never came), and the next one reused that iteration's samples share."""
+    for res in run_procs("static_graph_case", 2, tmp_path, agg.address, timeout=120):
+        torch.testing.assert_close(res["got"], res["expected"])
+
+
 def test_failed_collectives_raise_on_every_rank(agg, tmp_path) -> None:
     results = run_procs("failure_case", 2, tmp_path, agg.address)
     for rank, res in enumerate(results):
@@ -141,7 +148,7 @@ def test_a_failed_coalesced_sparse_op_raises_on_every_rank(agg, tmp_path) -> Non
         step, message = res["errors"][0]
         assert step == 2 and "DDP bucket" in message and "MismatchError" in message, (rank, message)
         assert "MismatchError" in res["recorded"]
-        # Steps 0 and 1 went through (2 sparse buckets each, one op), then the failed step's.
+        # Steps 0 and 1 went through (2 sparse buckets each; one op from step 1 on), then the failed step's.
         assert res["paths"]["sparse"] >= 6, res["paths"]
 
 

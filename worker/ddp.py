@@ -208,10 +208,17 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         A future completed with ``bucket.buffer()`` once the sum is in it.
     """
     sparse = bucket.buffer().is_sparse
+    index = bucket.index()
+    if index in state._kinds:
+        # This pass had a bucket of this index already: a new pass began that no last bucket
+        # ended. DDP's static_graph does so in its first iteration (every bucket index 0,
+        # none is_last). What the last pass told is unknown: nothing is held, nothing agreed.
+        if state._held:
+            _send_held(state)
+        state._kinds, state._last_kinds, state._dense_step, state._weight_agreed = {}, None, None, False
     if state._held and not sparse:
         # A dense bucket ends the run of sparse ones: they go out now, before it.
         _send_held(state)
-    index = bucket.index()
     state._kinds[index] = sparse
     last = bucket.is_last()
     dense_step = None
@@ -259,9 +266,11 @@ def _step_agreement(state: OmniReduceState, last: torch.futures.Future,
 
 
 def _sparse_follows(state: OmniReduceState, index: int) -> bool:
-    """Whether a sparse bucket follows bucket ``index``, as far as the previous pass says (first pass: yes)."""
+    """Whether a sparse bucket follows bucket ``index``, as far as the previous pass says (first
+    pass: no). A gradient held waits for a next bucket, and the first pass may end without
+    announcing its last (DDP's static_graph): what it holds would never go out."""
     if state._last_kinds is None:
-        return True
+        return False
     return state._last_kinds.get(index + 1, False)
 
 
@@ -577,7 +586,9 @@ def _pass_weight(state: OmniReduceState) -> float | None:
     the pass on every rank alike (``state.error``) instead of a gloo mismatch that aborts the
     process, or a silently wrong gradient.
     """
-    if state._weight_agreed:
+    if state._weight_agreed and state._last_kinds is not None:
+        # Kept for the pass only where passes are known to end with a last bucket (not in the
+        # first, which may not: DDP's static_graph), which starts the next agreement.
         return state._weight
     mine = state.samples
     try:

@@ -283,3 +283,46 @@ def test_a_bucket_that_held_a_tracked_table_takes_the_sparse_protocol_in_every_m
         state.rows = Dropped()
         omnireduce_hook(state, _Bucket(0, torch.ones(8), True)).wait()
         assert _kinds(w.calls) == [("dense", 8)] and dense_calls == [], mode
+
+
+def test_a_healthy_and_a_failed_rank_run_the_same_dense_group_collectives_in_a_first_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples are agreed per bucket in a first pass (its end may go unseen): a healthy rank and
+    one that failed earlier (whose dense buckets only join the group) must still run the same
+    collectives, or gloo pairs one rank's agreement with another's bucket."""
+    import worker.ddp as ddp
+
+    class Done:
+        def __init__(self, t: torch.Tensor) -> None:
+            self._t = t
+
+        def get_future(self) -> torch.futures.Future:
+            f: torch.futures.Future = torch.futures.Future()
+            f.set_result([self._t])
+            return f
+
+    def collectives(failed: bool) -> list[tuple[int, torch.dtype]]:
+        calls: list[tuple[int, torch.dtype]] = []
+
+        def all_reduce(t: torch.Tensor, *args: Any, **kwargs: Any) -> Done:
+            calls.append((t.numel(), t.dtype))
+            if t.dtype == torch.float64:
+                t.mul_(2)  # the other rank set the same samples
+            return Done(t)
+
+        monkeypatch.setattr(ddp.dist, "all_reduce", all_reduce)
+        monkeypatch.setattr(ddp.dist, "get_world_size", lambda group=None: 2)
+        state = OmniReduceState(_Refusing(), mode="dense", dense_group=object(), samples=3.0)
+        if failed:
+            state.error = RuntimeError("an earlier bucket failed")
+        for b in [_Bucket(0, torch.ones(8), False), _Bucket(1, torch.ones(4), True)]:
+            try:
+                omnireduce_hook(state, b).wait()
+            except RuntimeError:
+                assert failed
+        return calls
+
+    healthy = collectives(failed=False)
+    assert healthy == [(3, torch.float64), (8, torch.float32), (3, torch.float64), (4, torch.float32),
+                       (1, torch.int32)]
+    assert collectives(failed=True) == healthy

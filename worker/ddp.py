@@ -215,7 +215,12 @@ def omnireduce_hook(state: OmniReduceState, bucket: dist.GradBucket) -> torch.fu
         # none is_last). What the last pass told is unknown: nothing is held, nothing agreed.
         if state._held:
             _send_held(state)
-        state._kinds, state._last_kinds, state._dense_step, state._weight_agreed = {}, None, None, False
+        state._kinds, state._last_kinds, state._dense_step = {}, None, None
+    if state._last_kinds is None:
+        # Where a pass may end unannounced (the first, and after one that did: DDP's
+        # static_graph), the samples are agreed per bucket, not kept for a pass whose end
+        # would go unseen; every rank runs the same agreements at the same buckets.
+        state._weight_agreed = False
     if state._held and not sparse:
         # A dense bucket ends the run of sparse ones: they go out now, before it.
         _send_held(state)
@@ -582,13 +587,12 @@ def _pass_weight(state: OmniReduceState) -> float | None:
     (no rank set samples); agreed once per backward pass, at its first such bucket.
 
     Every rank runs the agreement (a three-float sum on the dense group), whatever its own
-    ``samples``: samples set on some ranks only, or not a positive finite number on one, fail
+    ``samples`` (per bucket where a pass's end may go unseen: see :func:`omnireduce_hook`):
+    samples set on some ranks only, or not a positive finite number on one, fail
     the pass on every rank alike (``state.error``) instead of a gloo mismatch that aborts the
     process, or a silently wrong gradient.
     """
-    if state._weight_agreed and state._last_kinds is not None:
-        # Kept for the pass only where passes are known to end with a last bucket (not in the
-        # first, which may not: DDP's static_graph), which starts the next agreement.
+    if state._weight_agreed:
         return state._weight
     mine = state.samples
     try:

@@ -24,7 +24,7 @@ import zmq
 from aggregator import Aggregator
 from aggregator.liveness import Liveness
 from bench import cluster
-from omnireduce.errors import ConnectionLostError
+from omnireduce.errors import ConnectionLostError, PeerLostError
 from omnireduce.protocol import MAX_ERROR_HEADER_BYTES, Abort, Error, ErrorCode, Heartbeat, Hello, Start, decode, encode
 from tests.faults import start_daemon
 from tests.helpers import ROOT, ThreadExchange, child_env, run_ranks
@@ -351,7 +351,9 @@ def test_paused_aggregator_fails_ops_in_flight_then_serves_again(daemon: tuple[s
             try:
                 _round(ws)
                 break
-            except ConnectionLostError:  # an op that raced the new connection's HELLO
+            # An op that raced the new connection's HELLO, or the other rank's old connection
+            # found closed (its rank lost) while that rank had not said HELLO anew yet.
+            except (ConnectionLostError, PeerLostError):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)

@@ -285,7 +285,7 @@ def calibrate(quick: bool = False, world: int = 2, timeout: float = 50.0) -> Cos
     slope = float(np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)[0]) if len(pts) > 1 else pts[0][1] / pts[0][0]
     per_message = max(slope / (2 * world), 1e-7)
     params = CostParams(
-        alpha=alpha, beta=beta, per_message_s=per_message, cores=_usable_cores(), full_duplex=False,
+        alpha=alpha, beta=beta, per_message_s=per_message, cores=config.usable_cores(), full_duplex=False,
         meta={"host": os.uname().nodename, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_before": load,
               "load_after": os.getloadavg(), "seconds": round(time.monotonic() - t_start, 2), "quick": quick,
               "ping_pong": {"sizes": sizes, "one_way_s": one_way}, "protocol_points": pts},
@@ -295,12 +295,6 @@ def calibrate(quick: bool = False, world: int = 2, timeout: float = 50.0) -> Cos
     params.scattered_s_per_byte = _scattered(params, world, (1 << 20) if quick else (4 << 20), 0.2,
                                              2 if quick else 5, timeout)
     return params
-
-
-def _usable_cores() -> int:
-    """The cores this process may run on (a cpuset or taskset counts), as the model's contention term needs."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,10 +44,9 @@ __all__ = [
 # cores: a parallel region waits for its slowest thread), which is the normal
 # state of a training node, so it is not the default. Compaction goes the other
 # way: np.flatnonzero + np.take (gather below) matched or beat the Numba
-# gather at every size, so gather and scatter stay NumPy.
-_NUMBA_MIN_ELEMENTS = 1 << 16
-#: Below this many elements no Numba kernel runs for a tensor (nothing to warm).
-NUMBA_MIN_ELEMENTS = _NUMBA_MIN_ELEMENTS
+# gather at every size, so gather and scatter stay NumPy. Below it no Numba
+# kernel runs for a tensor (nothing for warm() to compile).
+NUMBA_MIN_ELEMENTS = 1 << 16
 # Below this a pass takes tens of microseconds: waking numba's threads would cost more.
 _PARALLEL_MIN_BYTES = 4 << 20
 # From this many elements added on, add_rows calls the Numba kernel (below it the
@@ -112,14 +111,15 @@ def block_mask(flat: np.ndarray, block_size: int, threshold: float = 0.0) -> np.
     Raises:
         ConfigError: bad threshold or dtype.
     """
-    if kernels.HAVE_NUMBA and flat.shape[0] >= _NUMBA_MIN_ELEMENTS:
+    if kernels.HAVE_NUMBA and flat.shape[0] >= NUMBA_MIN_ELEMENTS:
         threads = config.mask_threads() if flat.nbytes >= _PARALLEL_MIN_BYTES else 1
         return kernels.block_mask_cpu(flat, block_size, threshold, parallel=threads)
     return block_mask_numpy(flat, block_size, threshold)
 
 
-# The kinds of tensor whose kernels warm() compiled in this process.
-_warmed: set[tuple[str, bool, bool, bool, bool] | str] = set()
+# The kinds of tensor whose mask kernels warm() compiled in this process, and whether next_table's was.
+_warmed: set[tuple[str, bool, bool, bool]] = set()
+_table_warmed = False
 _warm_lock = threading.Lock()
 
 
@@ -134,21 +134,22 @@ def warm(flat: np.ndarray, block_size: int) -> None:
     that submits the op calls this first. Only the first call per kind of tensor
     (element type, alignment, writeability, parallel pass) does any work.
     """
-    if not kernels.HAVE_NUMBA or flat.ndim != 1 or flat.shape[0] < _NUMBA_MIN_ELEMENTS:
+    if not kernels.HAVE_NUMBA or flat.ndim != 1 or flat.shape[0] < NUMBA_MIN_ELEMENTS:
         return
     threads = config.mask_threads() if flat.nbytes >= _PARALLEL_MIN_BYTES else 1
-    table = -(-flat.shape[0] // block_size) >= _NEXT_TABLE_NUMBA_MIN
-    _warm(flat.dtype, block_size, flat.ctypes.data % 8 == 0, bool(flat.flags.writeable), threads, table)
+    _warm(flat.dtype, block_size, flat.ctypes.data % 8 == 0, bool(flat.flags.writeable), threads)
+    warm_next_table(-(-flat.shape[0] // block_size))
 
 
 def warm_next_table(num_blocks: int) -> None:
     """:func:`warm` for :func:`next_table` alone, of an op of ``num_blocks`` blocks whose
     mask comes from elsewhere (a device tensor's)."""
-    if kernels.HAVE_NUMBA and num_blocks >= _NEXT_TABLE_NUMBA_MIN and "table" not in _warmed:
+    global _table_warmed
+    if kernels.HAVE_NUMBA and num_blocks >= _NEXT_TABLE_NUMBA_MIN and not _table_warmed:
         with _warm_lock:
-            if "table" not in _warmed:
+            if not _table_warmed:
                 kernels.next_table_cpu(np.ones(4, np.bool_), 2)
-                _warmed.add("table")
+                _table_warmed = True
 
 
 def warm_dtype(dtype: np.dtype, block_size: int) -> None:
@@ -159,15 +160,16 @@ def warm_dtype(dtype: np.dtype, block_size: int) -> None:
     answer of a first op).
     """
     if kernels.HAVE_NUMBA:
-        threads = config.mask_threads()
-        for t in {1, threads}:
-            _warm(np.dtype(dtype), block_size, True, True, t, True)
+        for t in {1, config.mask_threads()}:
+            _warm(np.dtype(dtype), block_size, True, True, t)
+        warm_next_table(_NEXT_TABLE_NUMBA_MIN)
 
 
-def _warm(dtype: np.dtype, block_size: int, aligned: bool, writeable: bool, threads: int, table: bool) -> None:
+def _warm(dtype: np.dtype, block_size: int, aligned: bool, writeable: bool, threads: int) -> None:
+    """Compiles block_mask_cpu's kernels for one kind of tensor, once per process."""
     # block_mask_cpu's word-wise pass needs 8-byte blocks and an 8-byte aligned start.
     words = (block_size * dtype.itemsize) % 8 == 0 and aligned
-    key = (dtype.str, words, writeable, threads > 1, table)
+    key = (dtype.str, words, writeable, threads > 1)
     if key in _warmed:
         return
     with _warm_lock:
@@ -180,8 +182,6 @@ def _warm(dtype: np.dtype, block_size: int, aligned: bool, writeable: bool, thre
         sample = sample[skips[0] if skips else 0 :][:n]
         sample.flags.writeable = writeable
         kernels.block_mask_cpu(sample, block_size, parallel=threads)
-        if table:
-            kernels.next_table_cpu(np.ones(4, np.bool_), 2)
         _warmed.add(key)
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "DEFAULT_SHARD_BYTES",
     "MAX_MASK_THREADS",
     "mask_threads",
+    "usable_cores",
     "resolve",
     "resolve_optional",
     "resolve_generation",
@@ -214,9 +215,13 @@ def mask_threads(value: int | None = None) -> int:
     local = resolve_optional(None, LOCAL_WORLD_SIZE, _positive_int)
     if local is None:
         return 1
+    return max(1, min(MAX_MASK_THREADS, usable_cores() // local))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (a cpuset or taskset counts)."""
     affinity = getattr(os, "sched_getaffinity", None)
-    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-    return max(1, min(MAX_MASK_THREADS, cores // local))
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def resolve_optional(value: T | None, env: str, parse: Callable[[str], T]) -> T | None:

@@ -85,6 +85,8 @@ _WAIT_MARGIN_S = 60.0
 _KEYS_KEPT = 4096
 # The options a shard's allreduce takes (checked before any shard is handed a part).
 _SHARD_OPTIONS = frozenset(inspect.signature(Worker.allreduce_async).parameters) - {"self", "x", "part"}
+
+
 def shard_bounds(length: int, block_size: int, shards: int) -> list[tuple[int, int]]:
     """The element range ``[lo, hi)`` of every shard's chunk of a tensor.
 
@@ -336,7 +338,7 @@ class ShardedWorker(SettingsView):
                 # Its history key as the other ranks know it: a tensor of given rows where rows= or dense= was asked.
                 self.refuse(e, given, known=rows is not None or bool(dense), **kwargs)
             else:
-                self.refuse(e, parts=parts, history=key)
+                self.refuse(e, history=key)
             raise
         fut: Future = OpFuture(self._loop)
         # The thread is woken once every shard's request is queued and every callback set:
@@ -376,11 +378,8 @@ class ShardedWorker(SettingsView):
                                      self.rank, self.job, k, self.addresses[k], e)
                     else:
                         # Shard k refused its part (its Worker told its aggregator); every shard
-                        # that has no part of it yet refuses the op too, so that it fails on every
-                        # rank wherever the other ranks sent their parts.
-                        for j in range(len(self.shards)):
-                            if j != k and j not in targets[:i]:
-                                self.shards[j].refuse(e, part=PartOf(seq, 0, 1))
+                        # that has no part of it yet refuses the op too.
+                        self._refuse_at(e, [j for j in range(len(self.shards)) if j != k and j not in targets[:i]])
                         self._advance(key)
                     raise self._shard_error(k, e) from e
             self._advance()
@@ -401,6 +400,12 @@ class ShardedWorker(SettingsView):
         nshards = len(self.shards)
         return [(seq + i) % nshards for i in range(parts)]
 
+    def _refuse_at(self, error: BaseException, shards: list[int]) -> None:
+        """Refuses the next op (``self._ops``) at ``shards`` (under ``_submit_lock``): it then fails on
+        every rank wherever the other ranks sent their parts (an ABORT names the op number only)."""
+        for k in shards:
+            self.shards[k].refuse(error, part=PartOf(self._ops, 0, 1))
+
     def _advance(self, refused: Hashable | None = None) -> None:
         """Counts an op (under ``_submit_lock``); ``refused``: the history key of an op refused
         here, whose history is forgotten: on the other ranks its op failed, and a failed op's
@@ -409,8 +414,8 @@ class ShardedWorker(SettingsView):
         if refused is not None:
             self._last_of.pop(refused, None)
 
-    def refuse(self, error: BaseException, x: Any = None, *, parts: int | None = None, history: Hashable | None = None,
-               known: bool = False, **options: Any) -> None:
+    def refuse(self, error: BaseException, x: Any = None, *, history: Hashable | None = None, known: bool = False,
+               **options: Any) -> None:
         """Takes the next op's number for an op this rank will not send, and fails it on every
         rank (see :meth:`worker.client.Worker.refuse`): every shard is told, wherever the
         other ranks sent their parts.
@@ -419,12 +424,12 @@ class ShardedWorker(SettingsView):
             error: why (its type and message are sent).
             x: the tensor the op would have summed, whose size (with ``options``, as in
                 :meth:`allreduce_async`) gives the key of its history, which is forgotten.
-            parts: unused (every shard is told); where given, ``history`` is the op's history key.
+            history: that key, where known already (then without ``x``).
             known: ``x`` was to be summed from given rows (``rows=`` or ``dense=True``): its
                 history is that of such ops.
             **options: the op's options (``weight``, ``key``, ...).
         """
-        if parts is None and x is not None:
+        if x is not None:
             try:
                 _, history = self._parts_for(x, options, known=known)
             except Exception:  # noqa: BLE001 - x is what was refused: no history to forget, then
@@ -432,8 +437,7 @@ class ShardedWorker(SettingsView):
         with self._submit_lock:
             if self._closed or self._broken is not None:
                 return
-            for shard in self.shards:
-                shard.refuse(error, part=PartOf(self._ops, 0, 1))
+            self._refuse_at(error, list(range(len(self.shards))))
             self._advance(history)
 
     def allreduce(self, x: Any, **options: Any) -> Any:

@@ -293,11 +293,10 @@ class Engine:
         return out
 
     def _on_bye(self, peer: bytes, msg: Bye) -> list[Outgoing]:
-        before = self._jobs.get(msg.job)
-        held = before is not None and before.members.get(msg.rank) == peer
-        j = self._jobs.leave(peer, msg.job, msg.rank)
-        if j is None:
+        left = self._jobs.leave(peer, msg.job, msg.rank)
+        if left is None:
             return []
+        j, held = left
         out: list[Outgoing] = []
         # No op in flight can complete: not those it joined, nor, where it held its rank, those
         # it never will join now (they would wait for their timeout). A connection whose rank

@@ -236,8 +236,9 @@ class Jobs:
             out.append((j, b.rank, lost))
         return out
 
-    def leave(self, peer: bytes, job: str, rank: int) -> Job | None:
-        """A connection's rank leaves its job on purpose (BYE); returns the job if it was a member."""
+    def leave(self, peer: bytes, job: str, rank: int) -> tuple[Job, bool] | None:
+        """A connection's rank leaves its job on purpose (BYE); returns the job if it was a member,
+        and whether it held its rank (no newer connection had taken it over)."""
         bound = self._bindings.get(peer, {})
         b = bound.get(job)
         j = self._jobs.get(job)
@@ -246,10 +247,11 @@ class Jobs:
         del bound[job]
         if not bound:
             del self._bindings[peer]
-        if j.members.get(rank) == peer:
+        held = j.members.get(rank) == peer
+        if held:
             del j.members[rank]
         logger.info("job=%r gen=%d rank=%d: left", job, j.generation, rank)
-        return j
+        return j, held
 
     def drop_if_idle(self, j: Job) -> bool:
         """Forgets a job nobody is connected to, with nothing in flight (its token too); True if it did."""

@@ -278,6 +278,23 @@ def test_closed_shard_fails_the_op_naming_it(shards: list[Aggregator]) -> None:
             w.close()
 
 
+def test_set_timeout_reaches_every_shard_and_the_ops_in_flight(shards: list[Aggregator]) -> None:
+    w = connect([a.address for a in shards[:2]], rank=0, world_size=2, job="shard-set-timeout", timeout=30, **SMALL)
+    try:
+        fut = w.allreduce_async(np.ones(1000, dtype=np.float32))  # rank 1 never comes
+        w.set_timeout(0.5)
+        t0 = time.monotonic()
+        with pytest.raises(OmniReduceError, match=r"for 0.5 s"):
+            fut.result(timeout=15)
+        assert time.monotonic() - t0 < 10
+        assert [s.timeout for s in w.shards] == [0.5, 0.5] and w.timeout == 0.5
+        with pytest.raises(ConfigError, match="timeout"):
+            w.set_timeout(float("inf"))
+        assert w.timeout == 0.5
+    finally:
+        w.close()
+
+
 @pytest.mark.slow
 def test_ddp_hook_and_backend_through_shards(shards: list[Aggregator], tmp_path) -> None:
     torch = pytest.importorskip("torch")

@@ -359,6 +359,40 @@ def _p2p_groups(agg: Any, job: str, world: int, timeout: float = 10) -> list[Any
                                    store=store) for r in range(world)]
 
 
+def test_set_timeout_bounds_the_ops_in_flight_and_those_to_come(agg) -> None:
+    # torch's ProcessGroup.set_timeout; the aggregator (60 s) and the group (30 s) would wait
+    # far longer. Rank 1 never calls: each op fails at the timeout set last.
+    from datetime import timedelta
+
+    from omnireduce.errors import ConfigError
+    from worker.backend import CollectiveError
+
+    ranks = _p2p_groups(agg, "set-timeout", 2, timeout=30)
+    try:
+        work = ranks[0].allreduce([torch.ones(3)])
+        recv = ranks[0].recv([torch.zeros(2)], 1, 0)  # a pair link made before the call
+        ranks[0].set_timeout(timedelta(seconds=1))
+        t0 = time.monotonic()
+        for w in (work, recv):
+            with pytest.raises(CollectiveError, match=r"OpTimeoutError.*for 1 s"):
+                w.wait()
+        assert time.monotonic() - t0 < 10
+        ranks[0].set_timeout(timedelta(seconds=0.5))
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveError, match=r"OpTimeoutError.*for 0.5 s"):
+            ranks[0].allreduce([torch.ones(3)]).wait()
+        with pytest.raises(CollectiveError, match=r"within 0.5 s"):
+            ranks[0].recv_anysource([torch.zeros(2)], 0).wait()
+        assert time.monotonic() - t0 < 10
+        for bad in (timedelta(0), timedelta(seconds=-1), 5):
+            with pytest.raises(ConfigError, match="timeout"):
+                ranks[0].set_timeout(bad)
+        assert ranks[0].worker.timeout == 0.5
+    finally:
+        for g in ranks:
+            g.shutdown()
+
+
 def test_recv_from_any_source_takes_a_message_no_other_recv_took(agg) -> None:
     ranks = _p2p_groups(agg, "p2p-any", 3)
     try:

@@ -58,7 +58,8 @@ class AnySource:
 
     def __init__(self, links: PeerLinks, timeout: float) -> None:
         self._links = links
-        self._timeout = timeout
+        # Set anew by PeerLinks.set_timeout; a receive takes the value it was posted under.
+        self.timeout = timeout
         self._cond = threading.Condition()
         self._waiting: list[_Receive] = []
         self._closed = False
@@ -71,7 +72,7 @@ class AnySource:
     def receive(self, x: object, tag: int, peers: Sequence[int]) -> Future:
         """Queues a receive of ``x``'s length (zeros the message is written into) with ``tag``
         from any of ``peers``; returns a future of ``(source rank, the message)``."""
-        request = _Receive(x, tag, list(peers), time.monotonic() + self._timeout)
+        request = _Receive(x, tag, list(peers), time.monotonic() + self.timeout)
         with self._cond:
             if self._closed:
                 raise WorkerClosedError("the process group is shut down")
@@ -150,7 +151,7 @@ class AnySource:
             self._waiting = [r for r in self._waiting if r.deadline > now]
         for r in late:
             fail_future(r.result, OpTimeoutError(
-                f"recv from any source (tag {r.tag}): no rank sent a message within {self._timeout:g} s",
+                f"recv from any source (tag {r.tag}): no rank sent a message within {self.timeout:g} s",
                 job=self._links.job, ranks=r.peers))
 
     def _finish(self, waiting: list[_Receive], error: BaseException) -> None:

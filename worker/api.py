@@ -65,6 +65,10 @@ class Allreducer(Protocol):
         summed, if known) and fails that op on every rank, naming ``error``."""
         ...
 
+    def set_timeout(self, seconds: float) -> None:
+        """Sets the op timeout for the ops in flight and those to come."""
+        ...
+
     def close(self) -> None:
         """Stops the worker; pending ops fail with WorkerClosedError."""
         ...

@@ -230,6 +230,26 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
         """Sets :attr:`samples` (None: plain averages again)."""
         self.samples = samples
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Sets the op timeout of this group's collectives and messages, those in flight
+        included (torch's ``ProcessGroup.set_timeout``). Called on the group, it wins over
+        ``$OMNIREDUCE_TIMEOUT``, which only sets the timeout the group starts with.
+
+        Args:
+            timeout: how long an op may go without hearing from the aggregator.
+
+        Raises:
+            ConfigError: ``timeout`` is not a positive ``timedelta``.
+        """
+        if not isinstance(timeout, timedelta):
+            raise ConfigError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+        seconds = timeout.total_seconds()
+        self.worker.set_timeout(seconds)
+        with self._p2p_lock:
+            links = self._p2p
+        if links is not None:
+            links.set_timeout(seconds)
+
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND_NAME
 

@@ -354,6 +354,18 @@ class Worker(SettingsView):
         """
         return self._connection.batches
 
+    def set_timeout(self, seconds: float) -> None:
+        """Sets the op timeout (``timeout``) for the ops in flight and those to come.
+
+        Args:
+            seconds: how long an op may go without hearing from the aggregator.
+
+        Raises:
+            ConfigError: ``seconds`` is not a positive finite number.
+        """
+        self.settings = self.settings.with_timeout(seconds)
+        self._connection.set_timeout(self.settings.timeout)
+
     def close(self) -> None:
         """Stops the communication thread; pending ops fail with WorkerClosedError."""
         self._connection.close()

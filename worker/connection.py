@@ -230,6 +230,13 @@ class Connection:
         self._loop.notify()
         return request.op
 
+    def set_timeout(self, seconds: float) -> None:
+        """Sets the op timeout (already checked: :meth:`WorkerSettings.with_timeout`); the
+        communication thread is woken to wait by the new deadlines."""
+        self.settings = self.settings.with_timeout(seconds)
+        self.timeout = self.settings.timeout
+        self._loop.notify()
+
     @property
     def loop(self) -> CommLoop:
         """The communication thread that runs this connection."""

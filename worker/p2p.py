@@ -223,6 +223,17 @@ class PeerLinks:
                 logger.debug("link %s opened as %s", key, settings.job)
             return link
 
+    def set_timeout(self, seconds: float) -> None:
+        """Sets the op timeout of every pair worker, those made later and receives from any
+        source (:meth:`worker.client.Worker.set_timeout`)."""
+        with self._lock:
+            self._settings = self._settings.with_timeout(seconds)
+            links = list(self._links.values())
+            if self._any is not None:
+                self._any.timeout = self._settings.timeout
+        for link in links:
+            link.set_timeout(self._settings.timeout)
+
     def close(self) -> None:
         """Closes every pair worker; their pending messages fail."""
         with self._lock:

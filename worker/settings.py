@@ -10,6 +10,7 @@ Precedence, for every field: the argument, else its ``OMNIREDUCE_*`` (or torch's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -47,6 +48,15 @@ class WorkerSettings:
     #: Most STARTs an eager op's payload is cut in (omnireduce.layout.eager_start_blocks);
     #: a sharded worker gives each shard its share.
     eager_pieces: int = EAGER_PIECES
+
+    def with_timeout(self, seconds: float) -> WorkerSettings:
+        """These settings with the op timeout ``seconds``.
+
+        Raises:
+            ConfigError: ``seconds`` is not a positive finite number.
+        """
+        config.check_number("timeout", seconds)
+        return dataclasses.replace(self, timeout=float(seconds))
 
     @property
     def curve(self) -> bool:

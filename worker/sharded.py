@@ -463,6 +463,12 @@ class ShardedWorker(SettingsView):
         """
         return self.shards[self._balanced].recommended_batches
 
+    def set_timeout(self, seconds: float) -> None:
+        """Sets the op timeout of every shard's connection (:meth:`Worker.set_timeout`)."""
+        self.settings = self.settings.with_timeout(seconds)
+        for shard in self.shards:
+            shard.set_timeout(self.settings.timeout)
+
     def close(self) -> None:
         """Closes every shard's worker; pending ops fail with WorkerClosedError."""
         self._close_shards()

@@ -442,8 +442,7 @@ class Engine:
                 ErrorCode.MISMATCH, f"rank {msg.rank} asked for a weighted mean of {dtype.name.lower()} elements: "
                 "integer ops are plain sums, without weights", [msg.rank],
             )
-        # No message carries more than the whole tensor (a short one in one huge block is small).
-        message = min(min(msg.message_blocks, max(layout.num_columns, 1)) * msg.block_size, msg.length) * dtype.itemsize
+        message = layout.message_bytes(dtype.itemsize)
         if message > lim.max_message_bytes:
             raise Refused.op_failure(ErrorCode.LIMIT, f"messages of this op would carry up to {message} bytes, above "
                                      f"the limit of {lim.max_message_bytes}; use smaller blocks or fewer blocks per "

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
+from omnireduce import config
 from omnireduce.errors import ConfigError
 from omnireduce.protocol import MAX_WORLD_SIZE
 
@@ -58,7 +59,7 @@ class Limits:
     max_ops_per_job: int = 256
     max_job_bytes: int = 1024 * _MIB
     max_bytes: int = 4096 * _MIB
-    max_message_bytes: int = 64 * _MIB
+    max_message_bytes: int = config.DEFAULT_MAX_MESSAGE_BYTES
     max_streams: int = 1024
     max_jobs_per_connection: int = 16
     max_queued_messages: int = 1000

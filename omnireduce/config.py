@@ -66,6 +66,8 @@ __all__ = [
     "OMNIREDUCE_MALLOC_TUNE",
     "OMNIREDUCE_SHARD_BYTES",
     "DEFAULT_SHARD_BYTES",
+    "OMNIREDUCE_MAX_MESSAGE_BYTES",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_MASK_THREADS",
     "mask_threads",
     "usable_cores",
@@ -130,6 +132,10 @@ OMNIREDUCE_MALLOC_TUNE = "OMNIREDUCE_MALLOC_TUNE"
 #: ``ceil(b / OMNIREDUCE_SHARD_BYTES)`` shards (at least one, at most all), taken in turn
 #: from op to op; 0 sends every op to every shard.
 OMNIREDUCE_SHARD_BYTES = "OMNIREDUCE_SHARD_BYTES"
+#: Worker: the largest frame its aggregators accept (their ``--max-message-bytes``). An op
+#: whose messages could be larger fails with LimitError on every rank before anything is
+#: sent; sent, such a frame gets the connection cut (ZeroMQ's MAXMSGSIZE) and its rank lost.
+OMNIREDUCE_MAX_MESSAGE_BYTES = "OMNIREDUCE_MAX_MESSAGE_BYTES"
 
 DEFAULT_BLOCK_SIZE = 256
 # A tensor of up to 8192 x 16 blocks (128 MB of float32) lays one block per column, so it
@@ -141,6 +147,8 @@ DEFAULT_MODE = "sparse"
 DEFAULT_JOB = "default"
 DEFAULT_HEARTBEAT = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
+#: The aggregator's default ``--max-message-bytes`` and the worker's default for it.
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 # A shard's part of an op costs a message each way on every rank and on the shard: below
 # a few hundred KiB per shard those messages, not the links, bound the op; a whole MiB on
 # one shard's link already loses at 1 Gbit/s (bench/RESULTS.md).

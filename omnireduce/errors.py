@@ -85,7 +85,8 @@ class AggregatorError(OpError):
 
 
 class LimitError(AggregatorError):
-    """The aggregator refused work beyond one of its limits (jobs, ops in flight, bytes held, sizes)."""
+    """The aggregator refused work beyond one of its limits (jobs, ops in flight, bytes held, sizes),
+    or the worker did before sending it (messages above ``max_message_bytes``)."""
 
 
 class StaleGenerationError(AggregatorError):

@@ -100,6 +100,11 @@ class Layout:
         n, c = self.num_streams, self.num_columns
         return slice(stream * c // n, (stream + 1) * c // n)
 
+    def message_bytes(self, itemsize: int) -> int:
+        """The most payload bytes one message of the op carries (a short tensor in one huge
+        block carries no more than itself)."""
+        return min(min(self.message_blocks, max(self.num_columns, 1)) * self.block_size, self.length) * itemsize
+
     def payload_elements(self, ids: np.ndarray) -> int:
         """Elements on the wire for the blocks ``ids`` (the short last block counted short)."""
         n = len(ids) * self.block_size

@@ -425,6 +425,44 @@ def test_a_frame_above_the_aggregators_limit_fails_naming_the_ops_message_size()
         agg.close()
 
 
+def test_a_worker_told_the_frame_limit_refuses_larger_ops_and_the_job_goes_on() -> None:
+    # Sent, the rank's START is cut with its connection, the rank counts as lost and every
+    # later op of the job fails. Told the limit, every rank refuses the op before sending.
+    torch = pytest.importorskip("torch")
+    from omnireduce.errors import LimitError
+
+    agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=20.0, limits=Limits(max_message_bytes=32 << 10)).start()
+    ws = [worker.connect(agg.address, rank=r, world_size=2, job="told", block_size=64, message_blocks=1000,
+                         streams=1, timeout=20, max_message_bytes=32 << 10) for r in range(2)]
+    # One row of 64 KiB: rank 0 holds it, rank 1 holds no row.
+    rows = [torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 16384), (2, 16384)),
+            torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.long), torch.ones(0, 16384), (2, 16384))]
+    try:
+        for xs in ([np.ones(25_600, np.float32)] * 2, rows):
+            for w, x in zip(ws, xs, strict=True):
+                with pytest.raises(LimitError, match=r"up to \d+ bytes, above the limit of 32768 \(max_message_bytes"):
+                    w.allreduce_async(x)  # in the call, as the refusals of other arguments
+        for f in [w.allreduce_async(np.ones(1000, np.float32)) for w in ws]:
+            np.testing.assert_array_equal(f.result(timeout=30), np.full(1000, 2.0, np.float32))
+        assert agg.engine.held_bytes == 0
+    finally:
+        for w in ws:
+            w.close()
+        agg.close()
+
+
+def test_a_colocated_workers_frame_limit_is_its_shards() -> None:
+    from worker.colocated import _same_message_limit
+
+    options: dict[str, Any] = {"max_message_bytes": 1 << 20}
+    assert _same_message_limit({}, options)["limits"].max_message_bytes == 1 << 20
+    options = {}
+    assert _same_message_limit({"limits": Limits(max_message_bytes=5 << 20)}, options)["limits"].max_message_bytes == \
+        5 << 20
+    assert options == {"max_message_bytes": 5 << 20}
+    assert _same_message_limit({}, {}) == {}
+
+
 def test_a_sparse_rank_sends_its_streams_in_one_start_and_hears_back_in_one_result() -> None:
     # 40 blocks of 4 in 3 streams of at most 16 columns; rank 0 holds 5 blocks over all three
     # streams (one START), rank 1 every block (one START per stream).

@@ -25,7 +25,7 @@ import numpy as np
 import zmq
 
 from omnireduce import blocks, config
-from omnireduce.errors import ConfigError
+from omnireduce.errors import ConfigError, LimitError
 from omnireduce.layout import Layout
 from worker.auto import PathChooser
 from worker.connection import Connection
@@ -75,6 +75,10 @@ class Worker(SettingsView):
             detection), or "auto" (per tensor length, the path :mod:`omnireduce.model`
             predicts faster from the union density the last sparse op of that length
             measured; see :mod:`worker.auto`). Default ``$OMNIREDUCE_MODE``, else sparse.
+        max_message_bytes: the largest frame the aggregator accepts (its
+            ``--max-message-bytes``): an op whose messages could be larger raises
+            :class:`~omnireduce.errors.LimitError` on every rank before anything is sent.
+            Default ``$OMNIREDUCE_MAX_MESSAGE_BYTES``, else 64 MiB (the aggregator's default).
         settings: settings resolved already (:meth:`WorkerSettings.resolve`), instead of
             the arguments from ``rank`` on (a sharded worker gives every shard the same).
         loop: the communication thread, shared with other workers of this process (a
@@ -118,6 +122,7 @@ class Worker(SettingsView):
         curve_server_key: str | os.PathLike[str] | None = None,
         curve_client_key: str | os.PathLike[str] | None = None,
         mode: str | None = None,
+        max_message_bytes: int | None = None,
         settings: WorkerSettings | None = None,
         loop: CommLoop | None = None,
     ) -> None:
@@ -127,6 +132,7 @@ class Worker(SettingsView):
                 rank, world_size, job, block_size, message_blocks, streams, timeout, token=token,
                 generation=generation, heartbeat=heartbeat, heartbeat_timeout=heartbeat_timeout,
                 curve_server_key=curve_server_key, curve_client_key=curve_client_key, mode=mode,
+                max_message_bytes=max_message_bytes,
             )
         self.settings = settings
         self._chooser = (
@@ -289,6 +295,13 @@ class Worker(SettingsView):
                               "exact sum, and a weighted mean has no integer result")
         if layout is None:
             layout = Layout(length, self.block_size, self.message_blocks, self.streams)
+        message, limit = layout.message_bytes(dtype.itemsize), self.settings.max_message_bytes
+        if message > limit:
+            # Sent, such a START would have the aggregator cut the connection (ZeroMQ's
+            # MAXMSGSIZE) and count this rank as lost: the job would be over.
+            raise LimitError(f"messages of this op would carry up to {message} bytes, above the limit of {limit} "
+                             "(max_message_bytes: the aggregator's --max-message-bytes); use smaller blocks (a sparse "
+                             "tensor's row is one) or fewer blocks per message, or raise both limits")
         dense, auto_key = False, None
         if data is None and self.mode == "dense":
             dense = True

@@ -36,6 +36,7 @@ from typing import Any
 
 import zmq
 
+from aggregator.limits import Limits
 from aggregator.server import Aggregator
 from omnireduce import config
 from omnireduce.errors import ConfigError
@@ -118,14 +119,14 @@ class ColocatedWorker(ShardedWorker):
         if close_timeout < 0:
             raise ConfigError(f"close_timeout must be non-negative, got {close_timeout}")
         self.close_timeout = close_timeout
+        aggregator_options = _same_message_limit(dict(aggregator_options or {}), worker_options)
         self._close_lock = threading.Lock()
         self._ended = False
         # The aggregator and this rank's workers share one context: inproc needs it.
         self._shared_ctx = zmq.Context()
         inproc = f"inproc://omnireduce-shard-{os.getpid()}-{next(_inproc_ids)}"
         try:
-            self.aggregator = Aggregator(listen=[listen, inproc], context=self._shared_ctx,
-                                         **dict(aggregator_options or {}))
+            self.aggregator = Aggregator(listen=[listen, inproc], context=self._shared_ctx, **aggregator_options)
         except BaseException:
             self._shared_ctx.term()
             raise
@@ -202,3 +203,17 @@ class ColocatedWorker(ShardedWorker):
                 finally:
                     self._shared_ctx.term()
                     self._ended = True
+
+
+def _same_message_limit(aggregator_options: dict[str, Any], worker_options: dict[str, Any]) -> dict[str, Any]:
+    """The shards' options with the frame limit the workers assume (``max_message_bytes``):
+    one given to the workers (or ``$OMNIREDUCE_MAX_MESSAGE_BYTES``) becomes the shards' where
+    their ``limits`` are not given, and the shards' given ``limits`` set the workers' where
+    theirs is not given. ``worker_options`` is updated in place."""
+    limits = aggregator_options.get("limits")
+    given = config.resolve_optional(worker_options.get("max_message_bytes"), config.OMNIREDUCE_MAX_MESSAGE_BYTES, int)
+    if limits is not None:
+        worker_options.setdefault("max_message_bytes", limits.max_message_bytes if given is None else given)
+    elif given is not None:
+        aggregator_options["limits"] = Limits(max_message_bytes=config.check_integer("max_message_bytes", given))
+    return aggregator_options

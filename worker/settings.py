@@ -48,6 +48,8 @@ class WorkerSettings:
     #: Most STARTs an eager op's payload is cut in (omnireduce.layout.eager_start_blocks);
     #: a sharded worker gives each shard its share.
     eager_pieces: int = EAGER_PIECES
+    #: The largest frame the aggregators accept (their ``--max-message-bytes``).
+    max_message_bytes: int = config.DEFAULT_MAX_MESSAGE_BYTES
 
     def with_timeout(self, seconds: float) -> WorkerSettings:
         """These settings with the op timeout ``seconds``.
@@ -81,6 +83,7 @@ class WorkerSettings:
         curve_server_key: str | os.PathLike[str] | None = None,
         curve_client_key: str | os.PathLike[str] | None = None,
         mode: str | None = None,
+        max_message_bytes: int | None = None,
     ) -> WorkerSettings:
         """Settings from arguments, else the environment, else the defaults.
 
@@ -105,6 +108,8 @@ class WorkerSettings:
             curve_server_key=config.resolve_optional(curve_server_key, config.OMNIREDUCE_CURVE_SERVER_KEY, str),
             curve_client_key=config.resolve_optional(curve_client_key, config.OMNIREDUCE_CURVE_CLIENT_KEY, str),
             mode=config.resolve(mode, config.OMNIREDUCE_MODE, config.DEFAULT_MODE, str),
+            max_message_bytes=config.check_integer("max_message_bytes", config.resolve(
+                max_message_bytes, config.OMNIREDUCE_MAX_MESSAGE_BYTES, config.DEFAULT_MAX_MESSAGE_BYTES, int)),
         )
         settings._validate()
         return settings
@@ -125,6 +130,8 @@ class WorkerSettings:
         if self.curve_client_key is not None and self.curve_server_key is None:
             raise ConfigError("curve_client_key needs curve_server_key (the aggregator's public key)")
         Layout(0, self.block_size, self.message_blocks, self.streams)  # validates the three
+        if self.max_message_bytes < 1:
+            raise ConfigError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 

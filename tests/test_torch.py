@@ -259,8 +259,18 @@ def test_reducer_without_ddp_matches_gloo(agg, tmp_path, world: int) -> None:
     for res in run_procs("reducer_case", world, tmp_path, agg.address):
         torch.testing.assert_close(res["got"], res["expected"])
         assert res["buckets"] > 1
-        # One op per bucket per step: no_sync sent nothing.
-        assert res["ops"] == res["buckets"] * res["steps"]
+        # One op per bucket per step and the count of ranks that used each parameter: no_sync
+        # sent nothing.
+        assert res["ops"] == (res["buckets"] + 1) * res["steps"]
+
+
+def test_reducer_gives_a_parameter_some_ranks_used_its_zero_sum_on_every_rank(agg, tmp_path) -> None:
+    # Left None where it was unused, momentum and weight decay moved it on rank 0 only.
+    results = run_procs("reducer_unused_case", 2, tmp_path, agg.address)
+    for res in results:
+        torch.testing.assert_close(res["got"], res["expected"], rtol=0, atol=0)
+        assert res["grads"][0] is not None and not res["grads"][0].any()  # extra, its own parameter, comes first
+    torch.testing.assert_close(results[0]["got"], results[1]["got"], rtol=0, atol=0)
 
 
 def test_reducer_weights_each_rank_by_its_samples(agg, tmp_path) -> None:
@@ -281,8 +291,9 @@ def test_reducer_sends_sparse_embedding_gradients_as_their_rows(agg, tmp_path, w
         # The gradients left for the optimizer have gloo's layouts: sparse for the tables.
         assert res["layouts"] == res["ref_layouts"]
         assert "torch.sparse_coo" in res["layouts"]
-        # The two tables (one width) go as one op a step: the dense buckets' ops and one.
-        assert res["ops"] == (res["buckets"] - 1) * steps
+        # The two tables (one width) go as one op a step: the dense buckets' ops, one, and the
+        # count of ranks that used each parameter.
+        assert res["ops"] == res["buckets"] * steps
         # Only looked-up rows travel: far less than the 4000-row table once per step.
         assert res["bytes"]["bytes_sent"] < steps * VOCAB * 16 * 4 / 4
 

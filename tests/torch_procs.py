@@ -1218,3 +1218,41 @@ def reducer_refusal_case(rank: int, world: int, address: str) -> dict[str, Any]:
         errors = _until_refused(rank, reducer, w, step)
         after = w.allreduce(torch.ones(4) * (rank + 1))
         return {"errors": errors, "error": repr(reducer.error), "buckets": reducer.num_buckets, "after": after}
+
+
+class _SometimesUsed(nn.Module):
+    """A layer, and a parameter that only rank 0 uses, with a gradient of exact zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 1)
+        self.extra = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        y = self.lin(x).sum()
+        return y + 0.0 * self.extra.sum() if use else y
+
+
+def reducer_unused_case(rank: int, world: int, address: str, steps: int = 3) -> dict[str, Any]:
+    """GradientReducer against DDP on gloo (``find_unused_parameters``) for a parameter that only
+    rank 0 uses, whose summed gradient is exact zeros, under SGD with momentum and weight decay:
+    DDP gives every rank the zeros, so every rank's optimizer moves the parameter alike."""
+    from worker import Worker
+    from worker.reducer import GradientReducer
+
+    ref, ours = DDP(_SometimesUsed(), find_unused_parameters=True), _SometimesUsed()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1) for m in (ref, ours)]
+    with Worker(address, rank=rank, world_size=world, job=f"reducer-unused-{world}", timeout=30) as w:
+        reducer = GradientReducer(ours, w, bucket_cap_mb=0.01)
+        for step in range(steps):
+            x = torch.full((2, 4), float(rank + step))
+            for model, opt in zip((ref, ours), opts, strict=True):
+                opt.zero_grad()
+                model(x, rank == 0).backward()
+                if model is ours:
+                    reducer.synchronize()
+                opt.step()
+        grads = [None if p.grad is None else p.grad.clone() for p in ours.parameters()]
+    return {"expected": [p.detach().clone() for p in ref.module.parameters()],
+            "got": [p.detach().clone() for p in ours.parameters()], "grads": grads}

@@ -49,7 +49,7 @@ class _Kind(enum.Enum):
 
 
 class _Bucket:
-    __slots__ = ("params", "index", "kind", "module", "ready", "future", "buffer", "known")
+    __slots__ = ("params", "index", "kind", "module", "ready", "future", "buffer", "known", "used")
 
     def __init__(self, params: list[torch.nn.Parameter], index: int, kind: _Kind = _Kind.DENSE,
                  module: nn.Module | None = None) -> None:
@@ -63,6 +63,8 @@ class _Bucket:
         self.buffer: torch.Tensor | None = None
         # A rows bucket's op, once submitted (the rows it wrote are recorded).
         self.known: KnownRows | None = None
+        # Per parameter, whether it had a gradient here when the bucket went (see synchronize).
+        self.used: list[bool] = []
 
 
 def _sparse_weights(model: nn.Module) -> dict[int, nn.Module]:
@@ -146,6 +148,8 @@ class GradientReducer:
         # Sparse gradients wait here for the last sparse bucket, then go as one op per (dtype,
         # row width), as the DDP hook's do: a model of 26 tables pays one op's fixed cost, not 26.
         self._held: list[tuple[_Bucket, torch.Tensor]] = []
+        # Whether synchronize() sends how many ranks used each parameter (see there).
+        self._flagged = any(b.kind is not _Kind.SPARSE for b in self._buckets)
         self._last_sparse = max((b.index for b in self._buckets if b.kind is _Kind.SPARSE), default=-1)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -203,6 +207,7 @@ class GradientReducer:
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
+        b.used = [p.grad is not None for p in b.params]
         weight = self.samples
         world = self.worker.world_size
         divide = weight is None and self.average and world > 1
@@ -323,25 +328,38 @@ class GradientReducer:
             while self._next < len(self._buckets):
                 self._launch(self._buckets[self._next])
                 self._next += 1
+            # How many ranks gave each parameter a gradient: one that some ranks left unused
+            # gets the sum on every rank even where it is exactly zero (DDP gives them all the
+            # zeros), or an optimizer with momentum or weight decay would move it on some
+            # ranks only. Sent after every bucket (an op of a few bytes), refused like them.
+            # (A sparse gradient's rows say so themselves: a model of sparse tables only needs none.)
+            flags = [u for b in self._buckets for u in b.used]
+            used_future = self._op(torch.tensor(flags, dtype=torch.int32), key=("used",)) if self._flagged else None
             if self.error is not None:
                 # Every bucket of the step was refused (from the failure on): none is waited for.
                 raise OmniReduceError(f"gradient reduction failed earlier: {self.error}") from self.error
-            for b in self._buckets:
-                assert b.future is not None and b.buffer is not None
-                out = b.future.result()
+            futures = [b.future for b in self._buckets]
+            assert all(f is not None for f in futures)
+            outs = [f.result() for f in futures]  # type: ignore[union-attr]
+            counts = used_future.result().tolist() if used_future is not None else flags
+            k = 0
+            for b, out in zip(self._buckets, outs, strict=True):
+                assert b.buffer is not None
+                used, k = counts[k : k + len(b.params)], k + len(b.params)
                 if b.kind is _Kind.SPARSE:
                     _set_sparse(b.params[0], out)
                     continue
                 if b.kind is _Kind.ROWS:
-                    self._set_rows(b, out)
+                    self._set_rows(b, out, used[0] > 0)
                     continue
                 offset = 0
-                for p in b.params:
+                for p, ranks in zip(b.params, used, strict=True):
                     n = p.numel()
                     value = out[offset : offset + n].view(p.shape)
                     if p.grad is None:
-                        # Unused on every rank: leave it None, as DDP does.
-                        if bool(value.any()):
+                        # Unused here: the sum where another rank used it (zeros too), else left
+                        # None, as DDP does.
+                        if ranks:
                             p.grad = value.clone()
                     elif p.grad.is_sparse:
                         p.grad = value.clone()  # it went dense (see _flat)
@@ -358,12 +376,13 @@ class GradientReducer:
 
     def _reset_step(self) -> None:
         for b in self._buckets:
-            b.ready, b.future, b.buffer, b.known = 0, None, None, None
+            b.ready, b.future, b.buffer, b.known, b.used = 0, None, None, None, []
         self._next = 0
         self._held = []
 
-    def _set_rows(self, b: _Bucket, out: torch.Tensor) -> None:
-        """Gives a tracked table its summed gradient (summed in place, unless it had none)."""
+    def _set_rows(self, b: _Bucket, out: torch.Tensor, used: bool) -> None:
+        """Gives a tracked table its summed gradient (summed in place, unless it had none);
+        ``used``: whether any rank had a gradient for it."""
         p = b.params[0]
         if b.known is not None:
             assert self.rows is not None  # a rows bucket exists only with a tracker
@@ -373,8 +392,8 @@ class GradientReducer:
             if p.grad is None and len(union):
                 p.grad = out
         elif p.grad is None:
-            # Sent whole, as zeros: the others' sum, if they sent any.
-            if bool(out.any()):
+            # Sent whole, as zeros: the others' sum, if any rank used the table.
+            if used:
                 p.grad = out.view(p.shape)
         elif p.grad.is_sparse:
             p.grad = out.view(p.shape)

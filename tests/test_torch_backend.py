@@ -565,6 +565,33 @@ def _outcome(work: Any) -> str:
         return f"{type(e).__name__}: {e}"
 
 
+def test_rooted_collectives_whose_tensors_differ_by_a_few_bytes_fail_on_every_rank(agg) -> None:
+    # Padded to 8 bytes, 5 and 6 float32 (or 8 and 6 int8 scattered) are ops of one length:
+    # the other rank took the root's first bytes, or kept a padding zero. gloo refuses them.
+    ranks = _p2p_groups(agg, "few-bytes", 2)
+    try:
+        for sizes in ((6, 5), (5, 6)):
+            ts = [torch.arange(1.0, sizes[r] + 1) * (r + 1) for r in range(2)]
+            works = [ranks[r].broadcast([ts[r]], dist.BroadcastOptions()) for r in range(2)]
+            for r, w in enumerate(works):
+                assert "the ranks' tensors differ in size" in _outcome(w), (sizes, r)
+                torch.testing.assert_close(ts[r], torch.arange(1.0, sizes[r] + 1) * (r + 1))
+        outs = [torch.zeros(4 - r, dtype=torch.int8) for r in range(2)]
+        ins = [[[torch.arange(4, dtype=torch.int8), torch.arange(4, 8, dtype=torch.int8)]], []]
+        works = [ranks[r].scatter([outs[r]], ins[r], dist.ScatterOptions()) for r in range(2)]
+        for r, w in enumerate(works):
+            assert "the ranks' tensors differ in size" in _outcome(w), r
+            assert not outs[r].any()
+        # The ranks' ops are still in step.
+        ts = [torch.full((5,), float(r)) for r in range(2)]
+        assert [_outcome(w) for w in [ranks[r].broadcast([ts[r]], dist.BroadcastOptions()) for r in range(2)]] == \
+            ["ok", "ok"]
+        torch.testing.assert_close(ts, [torch.zeros(5)] * 2)
+    finally:
+        for g in ranks:
+            g.worker.close()
+
+
 def test_rooted_collectives_whose_ranks_name_different_roots_fail_on_every_rank(agg) -> None:
     # Each rank names itself the root: gloo's ranks then wait for each other until their
     # timeout; here the two "roots'" bytes would be summed into the result, so both fail, and

@@ -55,12 +55,12 @@ from worker.autoload import BACKEND_NAME, register
 from worker.loop import fail_future, forward
 from worker.p2p import PeerLinks
 from worker.tensorbytes import (
+    agreement_of,
     as_bytes,
     byte_view,
     bytes_of,
     from_bytes,
     rooted_size,
-    roots_of,
     sized,
     sized_bytes,
     wide,
@@ -324,14 +324,18 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             self.worker.refuse(error, x, weight=weight)
         raise error
 
-    def _check_root(self, out: torch.Tensor, root: int, what: str) -> None:
+    def _check_root(self, out: torch.Tensor, root: int, nbytes: int, what: str) -> None:
         """Raises (on every rank alike: all see the same sum) unless every rank named ``root``
-        as the collective's root (:func:`worker.tensorbytes.with_root`); else two "roots'"
-        bytes would have been summed into the result."""
-        total, squares = roots_of(out)
-        if total * total != squares * self._world:
-            raise CollectiveError(f"{what}: the ranks named different roots (their mean is "
-                                  f"{total / self._world:g}, this rank's {root}); nothing was written")
+        as the collective's root and gave ``nbytes`` (:func:`worker.tensorbytes.with_root`);
+        else two "roots'" bytes would have been summed into the result, or a tensor a few
+        bytes short of the root's would have taken its first bytes."""
+        one_root, one_size = agreement_of(out, self._world)
+        if not one_root:
+            raise CollectiveError(f"{what}: the ranks named different roots (this rank named {root}); "
+                                  "nothing was written")
+        if not one_size:
+            raise CollectiveError(f"{what}: the ranks' tensors differ in size (this rank's: {nbytes} bytes); "
+                                  "nothing was written")
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """The size of the op that gathers every rank's bytes of ``t`` (:meth:`_gather_values`)."""
@@ -435,7 +439,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             values = with_root(values if self._rank == root else None, n, root)
 
             def finish(out: torch.Tensor, t: torch.Tensor = t, n: int = n) -> None:
-                self._check_root(out, root, what)
+                self._check_root(out, root, n, what)
                 t.copy_(from_bytes(out[:n], t))
 
             parts.append((self._submit_bytes(values, what), finish))
@@ -565,7 +569,7 @@ class OmniReduceProcessGroup(dist.ProcessGroup):
             values = with_root(mine, n * self._world, root)
 
             def finish(out: torch.Tensor, t: torch.Tensor = t, n: int = n) -> None:
-                self._check_root(out, root, what)
+                self._check_root(out, root, n * self._world, what)
                 t.copy_(from_bytes(out[self._rank * n : (self._rank + 1) * n], t))
 
             parts.append((self._submit_bytes(values, what), finish))

@@ -61,29 +61,50 @@ def wide(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+# Bits of each piece of a rooted collective's byte count in its trailer: its square, summed
+# over up to MAX_WORLD_SIZE ranks, stays well within int64 for any count below 2**63.
+_PIECE_BITS = 21
+_PIECES = 3
+
+
+def _agreed(nbytes: int, root: int) -> list[int]:
+    """What the ranks of a rooted collective must agree on: the root, and the byte count in pieces."""
+    mask = (1 << _PIECE_BITS) - 1
+    return [root, *((nbytes >> (_PIECE_BITS * i)) & mask for i in range(_PIECES))]
+
+
+_TRAILER_BYTES = 2 * 8 * (1 + _PIECES)
+
+
 def rooted_size(nbytes: int) -> int:
     """The length of :func:`with_root`'s bytes for ``nbytes`` of values."""
-    return -(-nbytes // 8) * 8 + 16
+    return -(-nbytes // 8) * 8 + _TRAILER_BYTES
 
 
 def with_root(values: torch.Tensor | None, nbytes: int, root: int) -> torch.Tensor:
     """Bytes of a rooted collective (broadcast, scatter) to sum: the root's ``values`` (zeros
-    on the other ranks), padded to 8 bytes, then ``root`` and ``root**2`` as int64, which every
-    rank adds. :func:`roots_of` reads their sums back: the ranks named one root if and only if
-    ``sum(root)**2 == world * sum(root**2)``, so a misnamed root fails every rank instead of
-    summing two ranks' bytes into the result. The length is a multiple of 8: :func:`wide`
-    sends it as int64, so the sums of the trailer are exact."""
+    on the other ranks), padded to 8 bytes, then a trailer of int64 that every rank adds: the
+    root and the byte count (in pieces), then their squares. :func:`agreement_of` reads their
+    sums back: the ranks gave one value if and only if ``sum(v)**2 == world * sum(v**2)``, so
+    a misnamed root, or a tensor a few bytes off (the padding hides it from the aggregator's
+    length check), fails every rank instead of summing two ranks' bytes into the result or
+    cutting it short. The length is a multiple of 8: :func:`wide` sends it as int64, so the
+    sums of the trailer are exact."""
     out = torch.zeros(rooted_size(nbytes), dtype=torch.uint8)
     if values is not None:
         out[:nbytes] = values
-    out[-16:].view(torch.int64).copy_(torch.tensor([root, root * root], dtype=torch.int64))
+    agreed = _agreed(nbytes, root)
+    out[-_TRAILER_BYTES:].view(torch.int64).copy_(torch.tensor(agreed + [v * v for v in agreed], dtype=torch.int64))
     return out
 
 
-def roots_of(out: torch.Tensor) -> tuple[int, int]:
-    """The summed trailer of :func:`with_root`'s bytes: (sum of the roots, sum of their squares)."""
-    total, squares = out[-16:].clone().view(torch.int64).tolist()
-    return total, squares
+def agreement_of(out: torch.Tensor, world: int) -> tuple[bool, bool]:
+    """From the summed trailer of :func:`with_root`'s bytes: whether the ranks named one root,
+    and whether they gave one byte count."""
+    sums = out[-_TRAILER_BYTES:].clone().view(torch.int64).tolist()
+    half = len(sums) // 2
+    same = [s * s == q * world for s, q in zip(sums[:half], sums[half:], strict=True)]
+    return same[0], all(same[1:])
 
 
 def sized_bytes(nbytes: int) -> torch.Tensor:

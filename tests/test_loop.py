@@ -106,6 +106,35 @@ def test_close_from_a_callback_does_not_deadlock(aggregator: Aggregator) -> None
 
 
 @pytest.mark.parametrize("sharded", [False, True])
+def test_close_from_a_callback_says_goodbye(shards: list[Aggregator], sharded: bool,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The context was terminated while the thread still polled its sockets: the thread died
+    before its BYE, and the aggregator counted the rank as lost, which ends the job."""
+    addresses = [a.address for a in shards[:2]] if sharded else shards[0].address
+    for i in range(4):  # it raced: 5 in 8 plain workers, every sharded one
+        job = f"cb-bye-{sharded}-{i}"
+        ws = [connect(addresses, rank=r, world_size=2, job=job, timeout=10, **(SMALL if sharded else ONE))
+              for r in range(2)]
+        try:
+            futs = [w.allreduce_async(np.ones(50, np.float32)) for w in ws]
+            futs[0].add_done_callback(lambda _f, w=ws[0]: w.close())
+            for f in futs:
+                f.result(timeout=10)
+            used = range(2 if sharded else 1)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and any(
+                    (shards[k].engine.job_info(job) or {"ranks": [0, 1]})["ranks"] == [0, 1] for k in used):
+                time.sleep(0.01)
+            for k in used:
+                info = shards[k].engine.job_info(job)
+                assert info is not None and info["lost"] == {} and info["ranks"] == [1], (i, k, info)
+        finally:
+            for w in ws:
+                w.close()
+    assert "communication thread" not in caplog.text
+
+
+@pytest.mark.parametrize("sharded", [False, True])
 def test_waiting_for_a_pending_op_in_a_callback_raises_instead_of_blocking_the_thread(
         aggregator: Aggregator, shards: list[Aggregator], sharded: bool) -> None:
     """A callback that waited there for another op blocked the communication thread for good:

@@ -280,7 +280,8 @@ class Connection:
             if self._own_context:
                 # Ended once the thread has closed its sockets, after this callback: by another
                 # thread, as term() waits for them (else the context and its threads would leak).
-                threading.Thread(target=self._ctx.term, name=f"omnireduce-term-r{self.rank}", daemon=True).start()
+                threading.Thread(target=self._term_when_finished, name=f"omnireduce-term-r{self.rank}",
+                                 daemon=True).start()
             return
         # The thread finishes the connection, or is gone (having failed its ops).
         while not self._finished.wait(0.1) and self._loop.alive:
@@ -289,6 +290,16 @@ class Connection:
             self._loop.close()
         if self._own_context and self._finished.is_set():
             self._ctx.term()
+
+    def _term_when_finished(self) -> None:
+        """Terminates the context once the thread closed this connection's sockets (and, for a
+        thread of its own, its wake-up sockets): a context terminated before that makes the
+        thread's poll raise, which killed it before it said BYE (the rank then counted as lost)."""
+        while not self._finished.wait(0.1) and self._loop.alive:
+            pass
+        if self._own_loop:
+            self._loop.join()
+        self._ctx.term()
 
     def _open_socket(self) -> tuple[zmq.Socket, zmq.Socket]:
         """A new DEALER connecting to the aggregator, and its monitor.

@@ -212,6 +212,10 @@ class CommLoop:
         self._thread.join()
         self._close_wake_send()
 
+    def join(self) -> None:
+        """Waits for the thread to end (after :meth:`close`; not on the thread itself)."""
+        self._thread.join()
+
     def _stop_at_exit(self) -> None:
         """:meth:`close`, its wait bounded (``_EXIT_JOIN_S``): exit must not hang on a stuck thread."""
         with self._lock:

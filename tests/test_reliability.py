@@ -308,3 +308,29 @@ def test_the_daemon_exits_non_zero_when_its_serving_loop_dies(monkeypatch: pytes
     assert not t.is_alive(), "the daemon kept running after its serving loop died"
     assert result == [1]
     assert "injected serving failure" in caplog.text
+
+
+def test_a_worker_refused_for_the_aggregators_job_cap_is_served_once_there_is_room() -> None:
+    # The refusal of its HELLO stuck to the connection: every later op failed at once,
+    # though the aggregator had room again (a new worker of the job was served).
+    from aggregator.limits import Limits
+    from omnireduce.errors import LimitError
+
+    agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=5, limits=Limits(max_jobs=1)).start()
+    a = Worker(agg.address, rank=0, world_size=1, job="cap-a", timeout=5)
+    b = Worker(agg.address, rank=0, world_size=1, job="cap-b", timeout=5)
+    try:
+        np.testing.assert_array_equal(a.allreduce(np.ones(4, np.float32)), np.ones(4, np.float32))
+        for _ in range(2):
+            with pytest.raises(LimitError, match="limit of 1 jobs"):
+                b.allreduce(np.ones(4, np.float32))
+        a.close()
+        deadline = time.monotonic() + 5
+        while agg.engine.active_jobs and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(2):
+            np.testing.assert_array_equal(b.allreduce(np.full(4, 3.0, np.float32)), np.full(4, 3.0, np.float32))
+    finally:
+        a.close()
+        b.close()
+        agg.close()

@@ -576,6 +576,11 @@ class Connection:
             # ranks wait for its number), its result goes nowhere.
             sub.future = Future()
             sub.future.set_running_or_notify_cancel()
+        if isinstance(self._refused, LimitError) and not self._renew:
+            # A cap of the aggregator (its jobs) may have room again, once another job ended:
+            # this connection asks anew, ahead of the op, which fails as before if it has not.
+            self._refused = None
+            self._post(None, self._hello)
         if self._refused is not None:
             r = self._refused
             sub.future.set_exception(type(r)(r.reason, job=self.job, op=sub.op, ranks=r.ranks))

@@ -103,6 +103,9 @@ def test_batch_sizes_round_by_largest_remainder() -> None:
     assert batch_sizes([2 / 3, 1 / 3], 64) == [43, 21]
     assert batch_sizes([0, 5], 10, minimum=1) == [1, 9]
     assert sum(batch_sizes([0.1, 0.7, 0.2, 3.3], 1001)) == 1001
+    # Shares whose sum overflows float64 (every exact share was 0: sizes summing to 2).
+    assert batch_sizes([1e308, 1e308], 10) == [5, 5]
+    assert batch_sizes([1.7e308, 1.7e308 / 4], 10) == [8, 2]
     for bad in ([], [-1, 2], [0, 0], [float("nan")]):
         with pytest.raises(ConfigError):
             batch_sizes(bad, 10)

@@ -54,8 +54,10 @@ def batch_sizes(shares: Sequence[float], global_batch: int, minimum: int = 1) ->
         ConfigError: bad shares, or a total smaller than ``minimum`` per rank.
     """
     s = np.asarray(shares, dtype=np.float64)
-    if s.ndim != 1 or len(s) == 0 or not np.isfinite(s).all() or (s < 0).any() or s.sum() <= 0:
+    if s.ndim != 1 or len(s) == 0 or not np.isfinite(s).all() or (s < 0).any() or s.max() <= 0:
         raise ConfigError(f"shares must be non-negative finite numbers, not all zero, got {list(shares)}")
+    # Shares near the float64 maximum would sum to inf (and every exact share to 0).
+    s = s / s.max()
     if minimum < 0 or global_batch < minimum * len(s):
         raise ConfigError(f"a global batch of {global_batch} cannot give {len(s)} ranks at least {minimum} each")
     exact = s / s.sum() * global_batch

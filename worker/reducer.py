@@ -187,9 +187,11 @@ class GradientReducer:
             # others' fail at once, naming this rank) rather than summed with another step's.
             if self.error is None:
                 self.error = OmniReduceError(
-                    "a backward pass began before the last one was synchronized (it raised after "
-                    f"{self._next} of {len(self._buckets)} buckets went out): this rank's ops no longer pair "
-                    "with the other ranks'")
+                    "a parameter's gradient came again before synchronize(): a backward pass began before the "
+                    f"last one was synchronized (it raised after {self._next} of {len(self._buckets)} buckets "
+                    "went out), or one backward computed it twice (a layer run in two reentrant checkpoint "
+                    "segments: use checkpoint(..., use_reentrant=False)); this rank's ops no longer pair with "
+                    "the other ranks'")
                 logger.error("GradientReducer: %s", self.error)
             self._reset_step()
         b.ready += 1

@@ -145,6 +145,16 @@ def test_balancer_is_equal_until_recommended() -> None:
     assert b.batch_sizes() == [42, 21] and b.batch_size(0) == 42
 
 
+def test_balancer_says_once_when_no_recommendation_ever_comes(caplog: pytest.LogCaptureFixture) -> None:
+    # The DDP hook's buckets through gloo (mode dense) bring none: the batches silently stayed equal.
+    from worker.balance import WARN_AFTER
+
+    b = Balancer(_FakeWorker(), global_batch=8)
+    for _ in range(2 * WARN_AFTER):
+        assert b.batch_sizes() == [4, 4]
+    assert caplog.text.count("no batch recommendation after") == 1
+
+
 def test_workers_slowed_by_known_factors_get_proportional_batches(aggregator: Aggregator) -> None:
     """Rank r "computes" 2 ms per sample times slowdown[r]; batches converge to 1/slowdown."""
     slowdown = [1.0, 2.0, 4.0]

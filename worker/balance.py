@@ -32,6 +32,9 @@ from omnireduce.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+#: Calls of :meth:`Balancer.batch_sizes` without a recommendation after which it warns.
+WARN_AFTER = 10
+
 __all__ = ["batch_sizes", "Balancer", "ProportionalSampler"]
 
 
@@ -93,10 +96,24 @@ class Balancer:
         self.worker = worker
         self.global_batch = global_batch
         self.minimum = minimum
+        # Calls answered with equal batches for want of a recommendation (see batch_sizes).
+        self._unrecommended = 0
 
     def batch_sizes(self) -> list[int]:
-        """Every rank's batch size: equal until the aggregator has recommended others."""
+        """Every rank's batch size: equal until the aggregator has recommended others.
+
+        Only weighted ops through the aggregator bring recommendations: after
+        :data:`WARN_AFTER` calls without one (every op went through gloo, the DDP hook's
+        dense or auto mode, or carried no weight) a warning says so, once.
+        """
         rec = self.worker.recommended_batches
+        if rec is None:
+            self._unrecommended += 1
+            if self._unrecommended == WARN_AFTER:
+                logger.warning(
+                    "Balancer: no batch recommendation after %d calls, so the batches stay equal: only weighted "
+                    "ops through the aggregator bring one (not the DDP hook's buckets through gloo, mode dense)",
+                    WARN_AFTER)
         shares = rec if rec is not None else [1.0] * self.worker.world_size
         return batch_sizes(shares, self.global_batch, self.minimum)
 

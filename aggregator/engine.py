@@ -425,6 +425,13 @@ class Engine:
                 + (f" (ranks {ranks_text(lost)} are gone)" if len(lost) > 1 else "")
                 + "; restart the job with a new generation", lost,
             )
+        if j.left:
+            # Its numbering ended with its worker: an op it never joined would wait for the timeout.
+            left = sorted(j.left)
+            raise Refused.op_failure(
+                ErrorCode.PEER_LOST, f"rank {left[0]} left (its worker was closed)"
+                + (f" (ranks {ranks_text(left)} left)" if len(left) > 1 else ""), left,
+            )
         if len(j.ops) >= lim.max_ops_per_job:
             raise Refused.op_failure(ErrorCode.LIMIT, f"the job has {len(j.ops)} ops in flight, its limit")
         if msg.streams > lim.max_streams:

@@ -77,6 +77,8 @@ class Job:
     members: dict[int, bytes] = field(default_factory=dict)
     #: rank -> how it went away; the generation's new ops fail until it comes back.
     lost: dict[int, str] = field(default_factory=dict)
+    #: ranks whose worker left on purpose (BYE); the generation's new ops fail until they come back.
+    left: set[int] = field(default_factory=set)
     #: op numbers in flight.
     ops: set[int] = field(default_factory=set)
     #: bytes its ops in flight hold.
@@ -151,6 +153,7 @@ class Jobs:
                 j.generation, j.world_size = msg.generation, msg.world_size
                 j.members.clear()
                 j.lost.clear()
+                j.left.clear()
             elif msg.world_size != j.world_size:
                 raise Refused(
                     ErrorCode.MISMATCH,
@@ -250,6 +253,7 @@ class Jobs:
         held = j.members.get(rank) == peer
         if held:
             del j.members[rank]
+            j.left.add(rank)
         logger.info("job=%r gen=%d rank=%d: left", job, j.generation, rank)
         return j, held
 
@@ -305,5 +309,6 @@ class Jobs:
                 "job=%r gen=%d rank=%d: connection %s replaces %s", j.name, j.generation, rank, peer.hex(), old.hex()
             )
         j.members[rank] = peer
+        j.left.discard(rank)
         if j.lost.pop(rank, None) is not None:
             logger.info("job=%r gen=%d rank=%d: connected again", j.name, j.generation, rank)

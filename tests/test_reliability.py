@@ -287,6 +287,12 @@ def test_bye_leaves_without_counting_as_lost() -> None:
     assert errs == [(peer_of(0), ErrorCode.PEER_LOST, "rank 0 left (its worker was closed)")]
     assert engine.job_info("j")["lost"] == {} and engine.job_info("j")["ranks"] == [1]
     assert engine.peer_gone(peer_of(0)) == []
+    # An op rank 0 never joins fails at once (it waited for the timeout), until rank 0 is back.
+    (_, code, message), = error_replies(engine.handle(peer_of(1), start_frames(1, 2, op=1)))
+    assert code == ErrorCode.PEER_LOST and message == "rank 0 left (its worker was closed)"
+    engine.handle(b"rank0-again", wire(encode(Hello("j", 0, 2, 0, ""))))
+    assert engine.handle(peer_of(1), start_frames(1, 2, op=2)) == []
+    engine.handle(b"rank0-again", wire(encode(Bye("j", 0))))
     engine.handle(peer_of(1), wire(encode(Bye("j", 1))))
     assert engine.job_info("j") is None  # nobody left: the job (and its token) is forgotten
 

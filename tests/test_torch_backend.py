@@ -423,6 +423,29 @@ def test_recv_from_any_source_takes_a_message_no_other_recv_took(agg) -> None:
             g.shutdown()
 
 
+def test_a_message_refused_for_the_frame_limit_still_counts_for_recv_from_any_source(agg) -> None:
+    # The refused receive was numbered but not counted: a later recv from any source then
+    # waited on the refused sender and never took another rank's message.
+    from worker import Worker
+    from worker.backend import CollectiveError, OmniReduceProcessGroup
+
+    store = dist.HashStore()
+    ranks = [OmniReduceProcessGroup(r, 3, Worker(agg.address, rank=r, world_size=3, job="p2p-limit", timeout=5,
+                                                 max_message_bytes=1 << 20), store=store) for r in range(3)]
+    try:
+        for work in (ranks[1].send([torch.ones(1 << 19)], 0, 0), ranks[0].recv([torch.zeros(1 << 19)], 1, 0)):
+            with pytest.raises(CollectiveError, match="LimitError"):
+                work.wait()
+        send = ranks[2].send([torch.full((3,), 2.0)], 0, 0)
+        got = torch.zeros(3)
+        assert ranks[0].recv_anysource([got], 0)._source_rank() == 2
+        send.wait()
+        torch.testing.assert_close(got, torch.full((3,), 2.0))
+    finally:
+        for g in ranks:
+            g.shutdown()
+
+
 def test_recv_from_any_source_fails_clearly(agg) -> None:
     from worker.backend import CollectiveError
 

@@ -172,8 +172,11 @@ class PeerLinks:
         """Posts a receive from ``src`` and counts it (with :meth:`posting` held)."""
         try:
             future = self._link(src, self._settings.rank, tag).allreduce_async(x, inplace=True)
-        except ConfigError:
-            # Refused: the op was numbered (and failed on the sender's side), so it counts.
+        except WorkerClosedError:
+            raise  # nothing was numbered
+        except Exception:
+            # Refused (its arguments, the frame limit): the op was numbered (and failed on the
+            # sender's side), so it counts.
             self._count_posted(src, tag)
             raise
         self._count_posted(src, tag)

@@ -119,6 +119,9 @@ class Engine:
         self._failed: OrderedDict[tuple[str, int], tuple[int, ErrorCode, str, list[int]]] = OrderedDict()
         # Each job's tombstones' ops, oldest first (the same keys as _failed).
         self._failed_of: dict[str, OrderedDict[int, None]] = {}
+        # Per job, the generation and the highest op whose tombstone was let go of: a rank that
+        # starts an op up to it late is told at once (see handle), as a tombstone would.
+        self._forgotten: dict[str, tuple[int, int]] = {}
         self._log = RateLimitedLog(logger, clock=clock)
 
     # Read-only views of the counters, for callers that ask the engine.
@@ -202,6 +205,15 @@ class Engine:
                 return []  # every rank refused it, or it failed otherwise: nothing more to tell
             _, code, message, ranks = failed
             return [(peer, encode(Error(key[0], key[1], code, message, ranks)))]
+        if key not in self._ops and self._forgot(job, msg.op):
+            # Every rank numbers its ops in order: the fastest one started every op up to the
+            # mark, and none of them can have completed without this rank. It failed.
+            if isinstance(msg, Abort):
+                return []
+            return [(peer, encode(Error(
+                key[0], key[1], ErrorCode.UNKNOWN_OP, f"op {msg.op} failed earlier on the job's other ranks; its "
+                f"record is gone (more than {_TOMBSTONES_PER_JOB} of the job's ops failed since)", [],
+            )))]
         if isinstance(msg, Abort):
             return self._on_abort(key, msg)
         try:
@@ -311,7 +323,19 @@ class Engine:
         if self._jobs.drop_if_idle(j):
             self._forget_failures(j.name)
 
+    def _forgot(self, j: Job, op: int) -> bool:
+        mark = self._forgotten.get(j.name)
+        return mark is not None and mark[0] == j.generation and op <= mark[1]
+
+    def _let_go(self, job: str, op: int) -> None:
+        """Drops one tombstone (the caller keeps _failed_of in step), marking how far they went."""
+        generation = self._failed.pop((job, op))[0]
+        mark = self._forgotten.get(job)
+        if mark is None or mark[0] != generation or mark[1] < op:
+            self._forgotten[job] = (generation, op)
+
     def _forget_failures(self, job: str) -> None:
+        self._forgotten.pop(job, None)
         for op in self._failed_of.pop(job, ()):
             del self._failed[(job, op)]
 
@@ -355,9 +379,10 @@ class Engine:
         mine[key[1]] = None
         mine.move_to_end(key[1])
         if len(mine) > _TOMBSTONES_PER_JOB:
-            del self._failed[(key[0], mine.popitem(last=False)[0])]
+            self._let_go(key[0], mine.popitem(last=False)[0])
         if len(self._failed) > _TOMBSTONES:
-            (job, op), _ = self._failed.popitem(last=False)
+            job, op = next(iter(self._failed))
+            self._let_go(job, op)
             ops = self._failed_of[job]
             del ops[op]
             if not ops:

@@ -146,7 +146,13 @@ def test_a_jobs_tombstones_outlive_another_jobs_failures(monkeypatch: pytest.Mon
     assert late[b"y1"].code == ErrorCode.REFUSED and late[b"y1"].message == "rank 0 refused the op: bad"
     assert engine.active_ops == 0
     assert errors_by_peer(engine.handle(b"x0", _start(0, 2, 10, op=29, job="x")))[b"x0"].code == ErrorCode.REFUSED
-    assert engine.handle(b"x0", _start(0, 2, 10, op=21, job="x")) == []  # forgotten: a new op
+    # Forgotten, it failed all the same: told at once (it became a new op, which waited for
+    # the timeout for a rank that failed it long ago, taking a place of the job's cap).
+    late = errors_by_peer(engine.handle(b"x0", _start(0, 2, 10, op=21, job="x")))
+    assert late[b"x0"].code == ErrorCode.UNKNOWN_OP and "op 21 failed earlier" in late[b"x0"].message
+    assert engine.active_ops == 0 and engine.handle(b"x0", wire(encode(Abort("x", 0, 21, "late")))) == []
+    assert engine.handle(b"x0", _start(0, 2, 10, op=30, job="x")) == [] and engine.active_ops == 1
+    engine.handle(b"x0", wire(encode(Abort("x", 0, 30, "done"))))
     # In all at most 20: jobs w and v fill them, the oldest (of any job) go first.
     for job in ("w", "v"):
         for op in range(8):

@@ -148,8 +148,9 @@ class GradientReducer:
         # Sparse gradients wait here for the last sparse bucket, then go as one op per (dtype,
         # row width), as the DDP hook's do: a model of 26 tables pays one op's fixed cost, not 26.
         self._held: list[tuple[_Bucket, torch.Tensor]] = []
-        # Whether synchronize() sends how many ranks used each parameter (see there).
+        # Whether each step sends how many ranks used each parameter (_launch_used), and its op.
         self._flagged = any(b.kind is not _Kind.SPARSE for b in self._buckets)
+        self._used: Future | None = None
         self._last_sparse = max((b.index for b in self._buckets if b.kind is _Kind.SPARSE), default=-1)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
@@ -207,6 +208,8 @@ class GradientReducer:
                     self.error = e
                 raise
             self._next += 1
+        if self._next == len(buckets):
+            self._launch_used()  # during backward's tail already, not at synchronize()
 
     def _launch(self, b: _Bucket) -> None:
         b.used = [p.grad is not None for p in b.params]
@@ -330,20 +333,15 @@ class GradientReducer:
             while self._next < len(self._buckets):
                 self._launch(self._buckets[self._next])
                 self._next += 1
-            # How many ranks gave each parameter a gradient: one that some ranks left unused
-            # gets the sum on every rank even where it is exactly zero (DDP gives them all the
-            # zeros), or an optimizer with momentum or weight decay would move it on some
-            # ranks only. Sent after every bucket (an op of a few bytes), refused like them.
-            # (A sparse gradient's rows say so themselves: a model of sparse tables only needs none.)
-            flags = [u for b in self._buckets for u in b.used]
-            used_future = self._op(torch.tensor(flags, dtype=torch.int32), key=("used",)) if self._flagged else None
+            self._launch_used()
             if self.error is not None:
                 # Every bucket of the step was refused (from the failure on): none is waited for.
                 raise OmniReduceError(f"gradient reduction failed earlier: {self.error}") from self.error
             futures = [b.future for b in self._buckets]
             assert all(f is not None for f in futures)
             outs = [f.result() for f in futures]  # type: ignore[union-attr]
-            counts = used_future.result().tolist() if used_future is not None else flags
+            counts = (self._used.result().tolist() if self._used is not None
+                      else [u for b in self._buckets for u in b.used])
             k = 0
             for b, out in zip(self._buckets, outs, strict=True):
                 assert b.buffer is not None
@@ -376,7 +374,19 @@ class GradientReducer:
         finally:
             self._reset_step()
 
+    def _launch_used(self) -> None:
+        """Sends, once every bucket went, how many ranks gave each parameter a gradient: one
+        that some ranks left unused gets the sum on every rank even where it is exactly zero
+        (DDP gives them all the zeros), or an optimizer with momentum or weight decay would move
+        it on some ranks only. An op of 4 bytes a parameter, refused like the buckets after a
+        failure. (A sparse gradient's rows say so themselves: a model of sparse tables only
+        sends none.)"""
+        if self._flagged and self._used is None:
+            flags = [u for b in self._buckets for u in b.used]
+            self._used = self._op(torch.tensor(flags, dtype=torch.int32), key=("used",))
+
     def _reset_step(self) -> None:
+        self._used = None
         for b in self._buckets:
             b.ready, b.future, b.buffer, b.known, b.used = 0, None, None, None, []
         self._next = 0

@@ -168,7 +168,8 @@ class Aggregator:
         except BaseException as e:
             self._teardown()
             if isinstance(e, zmq.ZMQError):
-                raise OSError(f"cannot listen on {listen!r}: {e}") from e
+                hint = "" if e.errno == zmq.EADDRINUSE else " (expected tcp://host:port, e.g. tcp://0.0.0.0:5555)"
+                raise OSError(f"cannot listen on {listen!r}: {e}{hint}") from e
             raise
         #: The first endpoint bound, as resolved.
         self.address: str = self.addresses[0]
@@ -198,6 +199,9 @@ class Aggregator:
                 if type(metrics_port) is not int or not 0 <= metrics_port <= 65535:
                     raise ConfigError(f"metrics_port must be 0-65535 (0: any free port), got {metrics_port!r}")
                 self._metrics = serve_metrics(self, metrics_port, metrics_addr)
+            except OSError as e:
+                self._teardown()
+                raise OSError(f"cannot serve metrics on port {metrics_port}: {e}") from e
             except BaseException:
                 self._teardown()
                 raise

@@ -250,6 +250,15 @@ def test_a_failed_dense_group_bucket_is_the_states_error(monkeypatch: pytest.Mon
     assert state.error is not None and "connection closed by peer" in str(state.error)
 
 
+def test_the_state_refuses_what_is_not_a_worker() -> None:
+    # README's snippet once passed the worker package itself: an AttributeError at the first bucket.
+    import worker
+
+    for bad in (worker, None, "tcp://127.0.0.1:5555"):
+        with pytest.raises(ConfigError, match=r"needs a connected worker \(worker.connect"):
+            OmniReduceState(bad)  # type: ignore[arg-type]
+
+
 def test_the_hooks_auto_mode_refuses_a_worker_that_chooses_for_itself() -> None:
     """The worker's own auto mode picks each op's path from its host's cost file alone: beside the
     hook's auto mode, whose votes every rank must join alike, ranks could drift apart."""

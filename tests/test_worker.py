@@ -517,3 +517,20 @@ def test_a_part_sent_the_dense_way_counts_every_block_in_the_union() -> None:
                             OpStats(blocks=100, union_blocks=30, path="sparse")], 0.1)
     assert rank0.union_density == rank1.union_density == 0.65
     assert (rank0.path, rank1.path) == ("dense", "sparse")
+
+
+def test_an_address_without_its_scheme_or_port_says_which_form_is_expected() -> None:
+    import socket
+
+    for address in ("127.0.0.1:5555", "tcp://127.0.0.1"):
+        with pytest.raises(ConfigError, match=r"expected tcp://host:port, e\.g\. tcp://127\.0\.0\.1:5555"):
+            Worker(address, rank=0, world_size=1, job="form")
+    with pytest.raises(OSError, match=r"cannot listen on '0\.0\.0\.0:5555'.*expected tcp://host:port"):
+        Aggregator(listen="0.0.0.0:5555")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # Not taken for the listening port.
+        with pytest.raises(OSError, match=f"cannot serve metrics on port {port}"):
+            Aggregator(listen="tcp://127.0.0.1:0", metrics_port=port)

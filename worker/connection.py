@@ -322,7 +322,8 @@ class Connection:
             sock.connect(self.address)
         except zmq.ZMQError as e:
             transport.close_monitored(sock, mon)
-            raise ConfigError(f"cannot connect to aggregator address {self.address!r}: {e}") from None
+            raise ConfigError(f"cannot connect to aggregator address {self.address!r}: {e} (expected "
+                              "tcp://host:port, e.g. tcp://127.0.0.1:5555)") from None
         except BaseException:
             transport.close_monitored(sock, mon)
             raise

@@ -99,6 +99,8 @@ class OmniReduceState:
         probe_every: int = 16,
         coalesce_sparse: bool = True,
     ) -> None:
+        if not callable(getattr(worker, "allreduce_async", None)):
+            raise ConfigError(f"OmniReduceState needs a connected worker (worker.connect(...)), got {worker!r}")
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode != "sparse" and dense_group is None:

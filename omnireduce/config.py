@@ -58,6 +58,9 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEFAULT_MODE",
     "DEFAULT_JOB",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "default_job",
     "DEFAULT_HEARTBEAT",
     "DEFAULT_HEARTBEAT_TIMEOUT",
     "PROBE_DENSE",
@@ -81,7 +84,7 @@ __all__ = [
 
 #: Aggregator address a worker connects to, e.g. ``tcp://198.18.0.2:5555``.
 OMNIREDUCE_ADDRESS = "OMNIREDUCE_ADDRESS"
-#: Job id shared by the workers of one training job.
+#: Job id shared by the workers of one training job. Unset: :func:`default_job`.
 OMNIREDUCE_JOB = "OMNIREDUCE_JOB"
 #: Elements per block (OmniReduce's block_size).
 OMNIREDUCE_BLOCK_SIZE = "OMNIREDUCE_BLOCK_SIZE"
@@ -115,6 +118,9 @@ OMNIREDUCE_CURVE_SECRET_KEY = "OMNIREDUCE_CURVE_SECRET_KEY"
 OMNIREDUCE_CURVE_CLIENT_KEYS = "OMNIREDUCE_CURVE_CLIENT_KEYS"
 #: torchelastic's count of restarts of the job: the default generation.
 TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+#: torchrun's (and torch.multiprocessing's) rendezvous: one address and port per launch.
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
 #: torchrun's names for the worker's rank and the number of workers.
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
@@ -145,6 +151,17 @@ DEFAULT_STREAMS = 16
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MODE = "sparse"
 DEFAULT_JOB = "default"
+
+
+def default_job() -> str:
+    """The job id of a worker given none and no ``OMNIREDUCE_JOB``: ``torchrun-<MASTER_ADDR>:<MASTER_PORT>``
+    where torchrun (or any torch launcher) set them, the same on every rank of one launch and
+    different for two launches at once (each has its own rendezvous port), so two runs on one
+    aggregator do not take each other's ranks; else :data:`DEFAULT_JOB`."""
+    addr, port = os.environ.get(MASTER_ADDR, "").strip(), os.environ.get(MASTER_PORT, "").strip()
+    if addr and port:
+        return f"torchrun-{addr}:{port}"[:200]
+    return DEFAULT_JOB
 DEFAULT_HEARTBEAT = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 #: The aggregator's default ``--max-message-bytes`` and the worker's default for it.

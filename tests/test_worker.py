@@ -534,3 +534,20 @@ def test_an_address_without_its_scheme_or_port_says_which_form_is_expected() -> 
         # Not taken for the listening port.
         with pytest.raises(OSError, match=f"cannot serve metrics on port {port}"):
             Aggregator(listen="tcp://127.0.0.1:0", metrics_port=port)
+
+
+def test_the_default_job_is_one_per_torch_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two runs of one script on one aggregator both took "default": the second took over the
+    # first's ranks, which failed. A launch's rendezvous address is the same on its ranks only.
+    from worker.settings import WorkerSettings
+
+    monkeypatch.delenv("OMNIREDUCE_JOB", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert WorkerSettings.resolve(0, 1).job == "default"
+    monkeypatch.setenv("MASTER_ADDR", "198.18.0.2")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert WorkerSettings.resolve(0, 1).job == "torchrun-198.18.0.2:29500"
+    monkeypatch.setenv("OMNIREDUCE_JOB", "mine")
+    assert WorkerSettings.resolve(0, 1).job == "mine"
+    assert WorkerSettings.resolve(0, 1, job="given").job == "given"

@@ -50,7 +50,9 @@ class Worker(SettingsView):
             share ``context``), without copies through the kernel.
         rank: this worker's rank; default ``$RANK``.
         world_size: the number of workers of the job; default ``$WORLD_SIZE``.
-        job: the job id shared by its workers; default ``$OMNIREDUCE_JOB``, else "default".
+        job: the job id shared by its workers; default ``$OMNIREDUCE_JOB``, else
+            ``torchrun-<MASTER_ADDR>:<MASTER_PORT>`` where a torch launcher set them (one per
+            launch), else "default".
         block_size: elements per block; default ``$OMNIREDUCE_BLOCK_SIZE``, else 256.
         message_blocks: blocks per message (columns per stream); default
             ``$OMNIREDUCE_MESSAGE_BLOCKS``, else 8192.

@@ -94,7 +94,7 @@ class WorkerSettings:
         settings = cls(
             rank=config.check_integer("rank", config.resolve(rank, config.RANK, None, int)),
             world_size=config.check_integer("world_size", config.resolve(world_size, config.WORLD_SIZE, None, int)),
-            job=config.resolve(job, config.OMNIREDUCE_JOB, config.DEFAULT_JOB, str),
+            job=config.resolve(job, config.OMNIREDUCE_JOB, config.default_job(), str),
             block_size=config.resolve(block_size, config.OMNIREDUCE_BLOCK_SIZE, config.DEFAULT_BLOCK_SIZE, int),
             message_blocks=config.resolve(
                 message_blocks, config.OMNIREDUCE_MESSAGE_BLOCKS, config.DEFAULT_MESSAGE_BLOCKS, int

@@ -245,9 +245,12 @@ class Engine:
                 # of ranks and streams, sets of every rank would cost far more than the op is charged).
                 missing = sorted({r for s in op.streams if not s.done
                                   for r in (range(op.world_size) if op.eager else s.expected) if r not in s.received})
+            j = self._jobs.get(key[0])
+            why = [f"rank {r} was refused when it joined ({j.refused[r]})" for r in missing if j and r in j.refused]
             out += self._fail_op(
                 key, ErrorCode.TIMEOUT,
-                f"op did not complete within {self.timeout:g} s; waiting for ranks {ranks_text(missing)}", missing,
+                f"op did not complete within {self.timeout:g} s; waiting for ranks {ranks_text(missing)}"
+                + "".join(f"; {w}" for w in why[:3]), missing,
             )
         return out
 

@@ -79,6 +79,8 @@ class Job:
     lost: dict[int, str] = field(default_factory=dict)
     #: ranks whose worker left on purpose (BYE); the generation's new ops fail until they come back.
     left: set[int] = field(default_factory=set)
+    #: rank -> why its last HELLO was refused (an op that times out waiting for it says so).
+    refused: dict[int, str] = field(default_factory=dict)
     #: op numbers in flight.
     ops: set[int] = field(default_factory=set)
     #: bytes its ops in flight hold.
@@ -154,6 +156,7 @@ class Jobs:
                 j.members.clear()
                 j.lost.clear()
                 j.left.clear()
+                j.refused.clear()
             elif msg.world_size != j.world_size:
                 raise Refused(
                     ErrorCode.MISMATCH,
@@ -168,6 +171,9 @@ class Jobs:
             j = self._jobs.get(msg.job)
             if before is not None and j is not None and j.members.get(before.rank) == peer:
                 del j.members[before.rank]  # a refused connection holds no rank
+            if j is not None and 0 <= msg.rank < j.world_size and msg.rank not in j.members:
+                # Its ops never come: the others' wait for their timeout, which then says why.
+                j.refused[msg.rank] = f"{e.code.name}: {e.message}"
             if msg.job in bound or len(bound) < self.limits.max_jobs_per_connection:
                 bound[msg.job] = Binding(msg.rank, msg.generation, (e.code, e.message))
             elif not bound:
@@ -310,5 +316,6 @@ class Jobs:
             )
         j.members[rank] = peer
         j.left.discard(rank)
+        j.refused.pop(rank, None)
         if j.lost.pop(rank, None) is not None:
             logger.info("job=%r gen=%d rank=%d: connected again", j.name, j.generation, rank)

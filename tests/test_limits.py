@@ -79,6 +79,30 @@ def test_an_eager_op_that_times_out_names_the_ranks_it_waits_for() -> None:
     assert all(message.endswith("waiting for ranks [0, 1, 2]") for _, _, message in out)
 
 
+def test_an_op_that_times_out_waiting_for_a_rank_refused_at_its_hello_says_why() -> None:
+    # The refused rank heard why at once; the others waited and were told only whom for.
+    from omnireduce.protocol import Hello, encode
+    from tests.helpers import wire
+
+    clock = [0.0]
+    engine = Engine(timeout=5, clock=lambda: clock[0])
+    engine.handle(peer_of(0), wire(encode(Hello("j", 0, 2, 0, ""))))
+    (_, code, message), = error_replies(engine.handle(peer_of(1), wire(encode(Hello("j", 1, 3, 0, "")))))
+    assert code == ErrorCode.MISMATCH
+    engine.handle(peer_of(0), start_frames(0, 2, length=16, block_size=8))
+    clock[0] = 10.0
+    (_, code, message), = error_replies(engine.expire())
+    assert code == ErrorCode.TIMEOUT and message.endswith(
+        "waiting for ranks [1]; rank 1 was refused when it joined (MISMATCH: rank 1 says the job has 3 workers, "
+        "the job has 2)")
+    # Joined since, it is not named again.
+    engine.handle(b"rank1-again", wire(encode(Hello("j", 1, 2, 0, ""))))
+    engine.handle(peer_of(0), start_frames(0, 2, length=16, block_size=8, op=1))
+    clock[0] = 20.0
+    (_, _, message), = error_replies(engine.expire())
+    assert message.endswith("waiting for ranks [1]")
+
+
 def test_held_bytes_are_counted_and_given_back() -> None:
     engine = Engine()
     rng = np.random.default_rng(2)

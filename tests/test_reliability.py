@@ -324,9 +324,9 @@ def test_a_worker_refused_for_the_aggregators_job_cap_is_served_once_there_is_ro
 
     agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=5, limits=Limits(max_jobs=1)).start()
     a = Worker(agg.address, rank=0, world_size=1, job="cap-a", timeout=5)
-    b = Worker(agg.address, rank=0, world_size=1, job="cap-b", timeout=5)
+    np.testing.assert_array_equal(a.allreduce(np.ones(4, np.float32)), np.ones(4, np.float32))
+    b = Worker(agg.address, rank=0, world_size=1, job="cap-b", timeout=5)  # its HELLO after a's job is made
     try:
-        np.testing.assert_array_equal(a.allreduce(np.ones(4, np.float32)), np.ones(4, np.float32))
         for _ in range(2):
             with pytest.raises(LimitError, match="limit of 1 jobs"):
                 b.allreduce(np.ones(4, np.float32))

@@ -129,9 +129,9 @@ def test_curve_across_colocated_shards(keys: dict[str, Any]) -> None:
 
 
 def test_a_rank_that_leaves_fails_the_others_ops_without_a_hang() -> None:
-    # A rank that left may come back (a restarted process joins again), so the others'
-    # next op waits for it until the worker's timeout, then fails naming a shard; it
-    # does not hang.
+    # The others' next op fails naming a shard and does not hang: at once where rank 0's own
+    # shard, which heard rank 1's goodbye, answers first ("rank 1 left"), else at the worker's
+    # timeout for rank 1's shard, which went with it.
     ex = ThreadExchange(2)
     left = threading.Event()
     timeout = 2.0
@@ -152,9 +152,10 @@ def test_a_rank_that_leaves_fails_the_others_ops_without_a_hang() -> None:
                 left.set()
 
     took, error = run_ranks(2, rank)[0]
-    assert timeout - 0.5 < took < timeout + 3, (took, error)
-    # Both shards wait for rank 1: the first to time out names itself.
-    assert str(error).startswith("shard ") and "no answer from the aggregator" in str(error), error
+    assert took < timeout + 3, (took, error)
+    assert str(error).startswith("shard "), error
+    assert "rank 1 left (its worker was closed)" in str(error) or (
+        "no answer from the aggregator" in str(error) and took > timeout - 0.5), (took, error)
 
 
 def test_the_input_may_change_once_the_op_returned() -> None:

@@ -464,3 +464,23 @@ def test_loops_still_running_at_exit_are_stopped() -> None:
         loop_module._close_at_exit()  # what atexit runs
         assert not loop.alive
         w.close()
+
+
+def test_a_second_close_returns_once_the_first_has_closed(aggregator: Aggregator) -> None:
+    """It returned at once, while the first was still closing: the ops could still be pending."""
+    for _ in range(3):
+        w = Worker(aggregator.address, rank=0, world_size=2, job="close-twice", timeout=10, **ONE)
+        fut = w.allreduce_async(np.ones(50, np.float32))  # rank 1 never comes: pending until closed
+        seen: list[bool] = []
+        def close(w: Worker = w, fut: Future = fut, seen: list[bool] = seen) -> None:
+            w.close()
+            seen.append(fut.done())
+
+        threads = [threading.Thread(target=close) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert seen == [True, True]
+        with pytest.raises(WorkerClosedError):
+            fut.result(timeout=0)

@@ -268,14 +268,19 @@ class Connection:
         """Closes the connection; pending ops fail with WorkerClosedError.
 
         Called on the communication thread itself (from an op's callback), it only
-        asks: the thread closes the connection after the callback.
+        asks: the thread closes the connection after the callback. Called again (from
+        another thread) while the first call closes, it returns once the connection is closed.
         """
         with self._lock:
-            if self._closed:
-                return
+            again = self._closed
             self._closed = True
-            if self._dead is None:
+            if self._dead is None and not again:
                 self._loop.put(self, None)
+        if again:
+            if not self._loop.on_thread:
+                while not self._finished.wait(0.1) and self._loop.alive:
+                    pass
+            return
         self._loop.wake()
         if self._loop.on_thread:
             if self._own_loop:

@@ -75,8 +75,6 @@ class Job:
     world_size: int
     #: rank -> the connection currently bound to it.
     members: dict[int, bytes] = field(default_factory=dict)
-    #: rank -> the id of the worker whose connection holds it (``Hello.worker``), where it gave one.
-    workers: dict[int, str] = field(default_factory=dict)
     #: rank -> how it went away; the generation's new ops fail until it comes back.
     lost: dict[int, str] = field(default_factory=dict)
     #: ranks whose worker left on purpose (BYE); the generation's new ops fail until they come back.
@@ -165,7 +163,7 @@ class Jobs:
                     f"rank {msg.rank} says the job has {msg.world_size} workers, the job has {j.world_size}",
                     ranks=[msg.rank],
                 )
-            self._bind(peer, j, msg.rank, msg.worker)
+            self._bind(peer, j, msg.rank)
             return j, stale
         except Refused as e:
             bound = self._bindings.setdefault(peer, {})
@@ -298,19 +296,12 @@ class Jobs:
         )
         return j
 
-    def _bind(self, peer: bytes, j: Job, rank: int, worker: str | None = None) -> None:
+    def _bind(self, peer: bytes, j: Job, rank: int) -> None:
         holder = j.members.get(rank)
         if holder is not None and holder != peer and issued_before(peer, holder):
             # A late HELLO of a connection that closed (its worker connected again, and the
             # newer connection's HELLO was read first): it never takes the rank back.
             raise Refused(ErrorCode.STALE, f"rank {rank} is held by a newer connection of the job")
-        theirs = j.workers.get(rank) if holder is not None and holder != peer else None
-        if worker is not None and theirs is not None and theirs != worker:
-            # Not the holder reconnecting: another worker (a second run of the job's id). Taken
-            # over, the running job's rank would fail; refused, only the newcomer's ops do.
-            raise Refused(ErrorCode.MISMATCH, f"rank {rank} of job {j.name!r} is held by another worker's live "
-                          "connection: is another run using this job id? Give each run its own (OMNIREDUCE_JOB)",
-                          ranks=[rank])
         self._check_bound_jobs(peer, j.name)
         bound = self._bindings.setdefault(peer, {})
         before = bound.get(j.name)
@@ -324,10 +315,6 @@ class Jobs:
                 "job=%r gen=%d rank=%d: connection %s replaces %s", j.name, j.generation, rank, peer.hex(), old.hex()
             )
         j.members[rank] = peer
-        if worker is None:
-            j.workers.pop(rank, None)
-        else:
-            j.workers[rank] = worker
         j.left.discard(rank)
         j.refused.pop(rank, None)
         if j.lost.pop(rank, None) is not None:

@@ -108,9 +108,7 @@ assert sys.byteorder == "little", "omnireduce's wire format assumes a little-end
 #: 8: ABORT messages and the REFUSED error code.
 #: 9: ``Start.shape``, a sparse tensor's shape, and ``Start.part``, which part of a sharded op:
 #: ranks that differ fail the op; a sharded op's parts take its number at every shard.
-#: 10: ``Hello.worker``, the sending worker's id: a rank held by another worker's live
-#: connection is refused (a second run with the same job id), not taken over.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 9
 INDEX_DTYPE = np.dtype(np.int64)
 #: A worker's header is a few dozen bytes; anything far larger is hostile or corrupt.
 MAX_HEADER_BYTES = 4096
@@ -171,10 +169,6 @@ class Hello:
     The job's first HELLO (or first START, for a job without a token) fixes the job's
     token and world size; a HELLO with a newer generation restarts the job, failing
     the ops of the older one. No frames; the aggregator answers only with an ERROR.
-
-    ``worker`` (optional) is the sending worker's random id, the same on every connection
-    it makes: a new connection of the same worker takes its rank over (it reconnected),
-    while one of another worker is refused (MISMATCH) as long as the holder's is alive.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
@@ -183,7 +177,6 @@ class Hello:
     world_size: int
     generation: int
     token: str
-    worker: str | None = None
 
 
 @dataclass(slots=True)
@@ -520,7 +513,7 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
     _check_str("job", header["job"], MAX_NAME, empty=False)
     for name in names:
         if name in ("job", "message", "ranks", "token", "weight", "compute", "batches", "eager", "reply", "reason",
-                    "shape", "part", "worker"):
+                    "shape", "part"):
             continue
         optional = (cls is Error and name == "op") or (cls is Start and name == "stream") or name == "stream_count"
         _check_int(name, header[name], optional=optional)
@@ -528,8 +521,6 @@ def decode(frames: list[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> tuple
             raise ProtocolError("header field 'stream_count' must be positive")
     if cls is Hello:
         _check_str("token", header["token"], MAX_NAME, empty=True)
-        if header["worker"] is not None:
-            _check_str("worker", header["worker"], MAX_NAME, empty=False)
     if cls is Abort:
         _check_str("reason", header["reason"], MAX_REASON, empty=True)
     if cls is Start and header["dtype"] not in _DTYPES:

@@ -31,7 +31,7 @@ RECOMMENDS = Result("j", 0, 0, 0, batches=[19.0, 38.5, 38.5], stream_count=3)
 # Every message type, with distinct values in its fields (a field decoded into another
 # would show), and every optional field both set and unset.
 MESSAGES = [
-    Hello("job-a", 1, 3, 2, "s3cret-token", "0123456789abcdef"),
+    Hello("job-a", 1, 3, 2, "s3cret-token"),
     Hello("j", 0, 1, 0, ""),  # no token
     Bye("job-a", 2),
     Start("job-a", 1, 3, 7, 1000, int(DType.FLOAT32), 256, 64, 4),  # weight and compute unset
@@ -167,8 +167,6 @@ def _encoded(msg, **fields) -> list[bytes]:
     "msg, fields, match",
     [
         (Hello("j", 0, 2, 0, ""), dict(token=7), "token"),
-        (Hello("j", 0, 2, 0, ""), dict(worker=""), "worker"),
-        (Hello("j", 0, 2, 0, ""), dict(worker=5), "worker"),
         (Hello("j", 0, 2, 0, ""), dict(token="x" * 257), "token"),
         (Hello("j", 2, 2, 0, ""), {}, "not in a world"),
         (Hello("j", 0, 2, 0, ""), dict(generation=-1), "generation"),

@@ -340,27 +340,3 @@ def test_a_worker_refused_for_the_aggregators_job_cap_is_served_once_there_is_ro
         a.close()
         b.close()
         agg.close()
-
-
-def test_a_second_worker_for_a_held_rank_is_refused_and_served_once_the_rank_is_free() -> None:
-    # A second run with the running one's job id took its ranks (the running job failed).
-    from omnireduce.errors import MismatchError
-
-    agg = Aggregator(listen="tcp://127.0.0.1:0", timeout=5)
-    agg.start()
-    first = Worker(agg.address, rank=0, world_size=1, job="held", timeout=5)
-    np.testing.assert_array_equal(first.allreduce(np.ones(3, np.float32)), np.ones(3, np.float32))
-    second = Worker(agg.address, rank=0, world_size=1, job="held", timeout=5)
-    try:
-        with pytest.raises(MismatchError, match="held by another worker's live connection"):
-            second.allreduce(np.ones(3, np.float32))
-        np.testing.assert_array_equal(first.allreduce(np.full(3, 2.0, np.float32)), np.full(3, 2.0, np.float32))
-        first.close()
-        deadline = time.monotonic() + 5
-        while agg.engine.job_info("held") is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        np.testing.assert_array_equal(second.allreduce(np.full(3, 5.0, np.float32)), np.full(3, 5.0, np.float32))
-    finally:
-        first.close()
-        second.close()
-        agg.close()

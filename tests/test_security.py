@@ -85,24 +85,6 @@ def _error_code(out: list[Any]) -> list[Any]:
     return [getattr(decode(wire(frames))[0], "code", None) for _, frames in out]
 
 
-def test_a_rank_held_by_another_workers_live_connection_is_refused_not_taken_over() -> None:
-    # A second run with the job's id took the running job's ranks, failing it; a worker's own
-    # new connection (a reconnect) still takes its rank over.
-    engine = Engine()
-    engine.handle(b"run1-r0", wire(encode(Hello("j", 0, 2, 0, "", "run1-r0"))))
-    engine.handle(b"run1-r1", wire(encode(Hello("j", 1, 2, 0, "", "run1-r1"))))
-    out = engine.handle(b"run2-r0", wire(encode(Hello("j", 0, 2, 0, "", "run2-r0"))))
-    assert _error_code(out) == [ErrorCode.MISMATCH]
-    assert "held by another worker's live connection" in decode(wire(out[0][1]))[0].message
-    assert _error_code(engine.handle(b"run2-r0", start_frames(0, 2, op=0))) == [ErrorCode.MISMATCH]
-    assert engine.job_info("j")["ranks"] == [0, 1] and engine.job_info("j")["ops"] == []
-    assert engine.handle(b"run1-r0-again", wire(encode(Hello("j", 0, 2, 0, "", "run1-r0")))) == []
-    assert engine.handle(b"run1-r0-again", start_frames(0, 2, op=0)) == []
-    # Once the holder is gone, another worker may take the rank.
-    engine.peer_gone(b"run1-r0-again")
-    assert engine.handle(b"run2-r0", wire(encode(Hello("j", 0, 2, 0, "", "run2-r0")))) == []
-
-
 def test_a_connection_whose_rank_was_taken_over_speaks_for_it_no_more() -> None:
     engine = Engine()
     old, new, r1, victim = b"old", b"new", b"r1", b"victim"

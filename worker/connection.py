@@ -31,7 +31,6 @@ import itertools
 import logging
 import threading
 import time
-import uuid
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,10 +158,8 @@ class Connection:
         self.stats = Stats()
         self.batches: list[float] | None = None
         memory.tune_malloc()
-        # The same id on every connection this worker makes: its own new connection takes its
-        # rank over (a reconnect); another worker's is refused while this one's lives.
         self._hello = encode(Hello(settings.job, settings.rank, settings.world_size, settings.generation,
-                                   settings.token, uuid.uuid4().hex))
+                                   settings.token))
         self._heartbeat = encode(Heartbeat(settings.job))
         self._heartbeat_reply = encode(Heartbeat(settings.job, reply=True))
         self._own_context = context is None
@@ -585,10 +582,9 @@ class Connection:
             # ranks wait for its number), its result goes nowhere.
             sub.future = Future()
             sub.future.set_running_or_notify_cancel()
-        if isinstance(self._refused, (LimitError, MismatchError)) and not self._renew:
-            # A cap of the aggregator (its jobs) may have room again, once another job ended, and
-            # a rank held by another worker be free once that one left: this connection asks
-            # anew, ahead of the op, which fails as before if nothing changed.
+        if isinstance(self._refused, LimitError) and not self._renew:
+            # A cap of the aggregator (its jobs) may have room again, once another job ended:
+            # this connection asks anew, ahead of the op, which fails as before if it has not.
             self._refused = None
             self._post(None, self._hello)
         if self._refused is not None:

@@ -453,9 +453,10 @@ class Engine:
                 + (f" (ranks {ranks_text(lost)} are gone)" if len(lost) > 1 else "")
                 + "; restart the job with a new generation", lost,
             )
-        if j.left:
-            # Its numbering ended with its worker: an op it never joined would wait for the timeout.
-            left = sorted(j.left)
+        left = sorted(r for r, mark in j.left.items() if msg.op > mark)
+        if left:
+            # Past the ops its worker had begun: it never joins them (a new worker of the rank
+            # numbers from 0), so they would wait for the timeout.
             raise Refused.op_failure(
                 ErrorCode.PEER_LOST, f"rank {left[0]} left (its worker was closed)"
                 + (f" (ranks {ranks_text(left)} left)" if len(left) > 1 else ""), left,
@@ -491,6 +492,7 @@ class Engine:
         # Charged with its per-rank slots (peers, starts): thousands of ranks make them the op's bulk.
         self._hold(op, None, layout.num_streams * _STREAM_OVERHEAD + _OP_OVERHEAD + op.world_size * _RANK_OVERHEAD)
         j.ops.add(msg.op)
+        j.high = max(j.high, msg.op)
         self._ops[(msg.job, msg.op)] = op
         op.streams = [Stream(s, layout.stream_columns(s)) for s in range(layout.num_streams)]
         self.counters.ops_started += 1

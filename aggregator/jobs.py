@@ -77,8 +77,12 @@ class Job:
     members: dict[int, bytes] = field(default_factory=dict)
     #: rank -> how it went away; the generation's new ops fail until it comes back.
     lost: dict[int, str] = field(default_factory=dict)
-    #: ranks whose worker left on purpose (BYE); the generation's new ops fail until they come back.
-    left: set[int] = field(default_factory=set)
+    #: rank -> the highest op the job had begun when that rank's worker left on purpose (BYE): the
+    #: generation's ops beyond it fail until the rank comes back (a new worker of it numbers
+    #: from 0 again, and its first ops, up to the mark, wait for it as before).
+    left: dict[int, int] = field(default_factory=dict)
+    #: the highest op number begun in this generation (-1: none).
+    high: int = -1
     #: rank -> why its last HELLO was refused (an op that times out waiting for it says so).
     refused: dict[int, str] = field(default_factory=dict)
     #: op numbers in flight.
@@ -156,6 +160,7 @@ class Jobs:
                 j.members.clear()
                 j.lost.clear()
                 j.left.clear()
+                j.high = -1
                 j.refused.clear()
             elif msg.world_size != j.world_size:
                 raise Refused(
@@ -259,7 +264,7 @@ class Jobs:
         held = j.members.get(rank) == peer
         if held:
             del j.members[rank]
-            j.left.add(rank)
+            j.left[rank] = j.high
         logger.info("job=%r gen=%d rank=%d: left", job, j.generation, rank)
         return j, held
 
@@ -315,7 +320,7 @@ class Jobs:
                 "job=%r gen=%d rank=%d: connection %s replaces %s", j.name, j.generation, rank, peer.hex(), old.hex()
             )
         j.members[rank] = peer
-        j.left.discard(rank)
+        j.left.pop(rank, None)
         j.refused.pop(rank, None)
         if j.lost.pop(rank, None) is not None:
             logger.info("job=%r gen=%d rank=%d: connected again", j.name, j.generation, rank)

@@ -297,6 +297,35 @@ def test_bye_leaves_without_counting_as_lost() -> None:
     assert engine.job_info("j") is None  # nobody left: the job (and its token) is forgotten
 
 
+def test_workers_made_anew_one_rank_at_a_time_still_pair_their_first_ops() -> None:
+    # Two phases of `with Worker(job=...)` in a row: rank 0's new worker says HELLO before rank
+    # 1's old one says goodbye, so the job stays. The new workers number from 0 again: their
+    # ops up to the ones the old workers began wait for each other, as before (they failed at
+    # once, "rank 1 left"); beyond them, one that a departed rank never joins fails at once.
+    from omnireduce.protocol import Abort, Result, decode
+
+    one = dict(length=16, block_size=8, message_blocks=2, streams=1)  # one START each: done when both came
+    engine = Engine()
+    for r in range(2):
+        engine.handle(b"old%d" % r, wire(encode(Hello("j", r, 2, 0, ""))))
+    for op in range(3):
+        for r in range(2):
+            engine.handle(b"old%d" % r, start_frames(r, 2, op=op, **one))
+    engine.handle(b"old0", wire(encode(Bye("j", 0))))
+    engine.handle(b"new0", wire(encode(Hello("j", 0, 2, 0, ""))))
+    engine.handle(b"old1", wire(encode(Bye("j", 1))))
+    assert engine.handle(b"new0", start_frames(0, 2, op=0, **one)) == []  # waits for rank 1's new worker
+    engine.handle(b"new1", wire(encode(Hello("j", 1, 2, 0, ""))))
+    out = [decode(wire(f))[0] for _, f in engine.handle(b"new1", start_frames(1, 2, op=0, **one))]
+    assert out and all(isinstance(m, Result) for m in out), out
+    engine.handle(b"new1", wire(encode(Bye("j", 1))))
+    assert engine.handle(b"new0", start_frames(0, 2, op=1, **one)) == []  # up to the mark (op 2): waits
+    engine.handle(b"new0", wire(encode(Abort("j", 0, 1, "done"))))
+    engine.handle(b"new0", wire(encode(Abort("j", 0, 2, "done"))))
+    (_, code, message), = error_replies(engine.handle(b"new0", start_frames(0, 2, op=3, **one)))
+    assert code == ErrorCode.PEER_LOST and message == "rank 1 left (its worker was closed)"
+
+
 def test_the_daemon_exits_non_zero_when_its_serving_loop_dies(monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """A daemon whose loop died must exit (for its supervisor to restart it), not sleep on as if healthy."""

@@ -151,17 +151,6 @@ DEFAULT_STREAMS = 16
 DEFAULT_TIMEOUT = 60.0
 DEFAULT_MODE = "sparse"
 DEFAULT_JOB = "default"
-
-
-def default_job() -> str:
-    """The job id of a worker given none and no ``OMNIREDUCE_JOB``: ``torchrun-<MASTER_ADDR>:<MASTER_PORT>``
-    where torchrun (or any torch launcher) set them, the same on every rank of one launch and
-    different for two launches at once (each has its own rendezvous port), so two runs on one
-    aggregator do not take each other's ranks; else :data:`DEFAULT_JOB`."""
-    addr, port = os.environ.get(MASTER_ADDR, "").strip(), os.environ.get(MASTER_PORT, "").strip()
-    if addr and port:
-        return f"torchrun-{addr}:{port}"[:200]
-    return DEFAULT_JOB
 DEFAULT_HEARTBEAT = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 #: The aggregator's default ``--max-message-bytes`` and the worker's default for it.
@@ -217,6 +206,17 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise ValueError("must be at least 1")
     return n
+
+
+def default_job() -> str:
+    """The job id of a worker given none and no ``OMNIREDUCE_JOB``: ``torchrun-<MASTER_ADDR>:<MASTER_PORT>``
+    where torchrun (or any torch launcher) set them, the same on every rank of one launch and
+    different for two launches at once (each has its own rendezvous port), so two runs on one
+    aggregator do not take each other's ranks; else :data:`DEFAULT_JOB`."""
+    addr, port = os.environ.get(MASTER_ADDR, "").strip(), os.environ.get(MASTER_PORT, "").strip()
+    if addr and port:
+        return f"torchrun-{addr}:{port}"[:200]
+    return DEFAULT_JOB
 
 
 def mask_threads(value: int | None = None) -> int:

@@ -350,13 +350,13 @@ def test_send_after_shutdown_is_a_clear_error(agg) -> None:
             call()
 
 
-def _p2p_groups(agg: Any, job: str, world: int, timeout: float = 10) -> list[Any]:
+def _p2p_groups(agg: Any, job: str, world: int, timeout: float = 10, **options: Any) -> list[Any]:
     from worker import Worker
     from worker.backend import OmniReduceProcessGroup
 
     store = dist.HashStore()  # one process plays every rank: the store is shared in memory
-    return [OmniReduceProcessGroup(r, world, Worker(agg.address, rank=r, world_size=world, job=job, timeout=timeout),
-                                   store=store) for r in range(world)]
+    return [OmniReduceProcessGroup(r, world, Worker(agg.address, rank=r, world_size=world, job=job, timeout=timeout,
+                                                    **options), store=store) for r in range(world)]
 
 
 def test_set_timeout_bounds_the_ops_in_flight_and_those_to_come(agg) -> None:
@@ -426,12 +426,9 @@ def test_recv_from_any_source_takes_a_message_no_other_recv_took(agg) -> None:
 def test_a_message_refused_for_the_frame_limit_still_counts_for_recv_from_any_source(agg) -> None:
     # The refused receive was numbered but not counted: a later recv from any source then
     # waited on the refused sender and never took another rank's message.
-    from worker import Worker
-    from worker.backend import CollectiveError, OmniReduceProcessGroup
+    from worker.backend import CollectiveError
 
-    store = dist.HashStore()
-    ranks = [OmniReduceProcessGroup(r, 3, Worker(agg.address, rank=r, world_size=3, job="p2p-limit", timeout=5,
-                                                 max_message_bytes=1 << 20), store=store) for r in range(3)]
+    ranks = _p2p_groups(agg, "p2p-limit", 3, timeout=5, max_message_bytes=1 << 20)
     try:
         for work in (ranks[1].send([torch.ones(1 << 19)], 0, 0), ranks[0].recv([torch.zeros(1 << 19)], 1, 0)):
             with pytest.raises(CollectiveError, match="LimitError"):

@@ -275,8 +275,7 @@ class Connection:
                 self._loop.put(self, None)
         if again:
             if not self._loop.on_thread:
-                while not self._finished.wait(0.1) and self._loop.alive:
-                    pass
+                self._wait_finished()
             return
         self._loop.wake()
         if self._loop.on_thread:
@@ -289,19 +288,22 @@ class Connection:
                                  daemon=True).start()
             return
         # The thread finishes the connection, or is gone (having failed its ops).
-        while not self._finished.wait(0.1) and self._loop.alive:
-            pass
+        self._wait_finished()
         if self._own_loop:
             self._loop.close()
         if self._own_context and self._finished.is_set():
             self._ctx.term()
 
+    def _wait_finished(self) -> None:
+        """Waits until the thread has closed this connection's sockets, or is gone."""
+        while not self._finished.wait(0.1) and self._loop.alive:
+            pass
+
     def _term_when_finished(self) -> None:
         """Terminates the context once the thread closed this connection's sockets (and, for a
         thread of its own, its wake-up sockets): a context terminated before that makes the
         thread's poll raise, which killed it before it said BYE (the rank then counted as lost)."""
-        while not self._finished.wait(0.1) and self._loop.alive:
-            pass
+        self._wait_finished()
         if self._own_loop:
             self._loop.join()
         self._ctx.term()
